@@ -1,0 +1,351 @@
+"""Import and export of the Hugging Face ``zaya`` checkpoint layout (config.json + safetensors, sharded or not).
+
+This is the layout ``transformers``' ``ZayaForCausalLM.save_pretrained`` writes and the released ZAYA1 weights use.
+Tensor names map one to one onto zaya's (see ``_RENAMES``); the experts are already stacked 3-D tensors in both.
+Differences handled here:
+
+- the tied LM head: ``lm_head.weight`` is written only when embeddings are untied; a tied file that carries it
+  anyway must hold the same values as the embedding;
+- the router's balancing-bias moment estimates and the zaya-only config options (balancing step size, init
+  choices, ...) have no place in the HF layout; they travel in a side file, ``zaya_extras.safetensors``, that
+  ``transformers`` ignores. Importing a checkpoint without it starts the moments at zero;
+- the original config.json is kept with the model, so converting HF -> zaya -> HF gives back the same config
+  and bit-identical tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from safetensors import safe_open
+
+from zaya.config import ConfigError, ModelConfig, model_config_from_dict, to_dict
+from zaya.model.io import (atomic_directory, build_from_state_dict, is_zaya_checkpoint, load_checkpoint,
+                           read_safetensors, save_checkpoint)
+from zaya.model.zaya import ZayaForCausalLM
+
+# (zaya suffix, HF suffix) for tensors inside decoder layer i: "blocks.{i}." <-> "model.layers.{i}.".
+_RENAMES: list[tuple[str, str]] = [
+    ("attn_norm.weight", "input_layernorm.weight"),
+    ("attention.q_proj.weight", "self_attn.qkv_proj.q_proj.weight"),
+    ("attention.k_proj.weight", "self_attn.qkv_proj.k_proj.weight"),
+    ("attention.v_current_proj.weight", "self_attn.qkv_proj.v_proj_current.weight"),
+    ("attention.v_previous_proj.weight", "self_attn.qkv_proj.v_proj_delayed.weight"),
+    ("attention.conv_depthwise.weight", "self_attn.qkv_proj.conv_qk_depthwise.weight"),
+    ("attention.conv_depthwise.bias", "self_attn.qkv_proj.conv_qk_depthwise.bias"),
+    ("attention.conv_grouped.weight", "self_attn.qkv_proj.conv_qk_grouped.weight"),
+    ("attention.conv_grouped.bias", "self_attn.qkv_proj.conv_qk_grouped.bias"),
+    ("attention.temperature", "self_attn.qk_norm.temp"),
+    ("attention.o_proj.weight", "self_attn.o_proj.weight"),
+    ("attn_residual.branch_scale", "post_attention_residual_scale.hidden_states_scale"),
+    ("attn_residual.branch_bias", "post_attention_residual_scale.hidden_states_bias"),
+    ("attn_residual.residual_scale", "post_attention_residual_scale.residual_scale"),
+    ("attn_residual.residual_bias", "post_attention_residual_scale.residual_bias"),
+    ("moe_norm.weight", "post_attention_layernorm.weight"),
+    ("moe.router.down_proj.weight", "mlp.gate.down_proj.weight"),
+    ("moe.router.down_proj.bias", "mlp.gate.down_proj.bias"),
+    ("moe.router.eda_scale", "mlp.gate.router_states_scale"),
+    ("moe.router.norm.weight", "mlp.gate.router_mlp.norm.weight"),
+    ("moe.router.fc1.weight", "mlp.gate.router_mlp.fc1.weight"),
+    ("moe.router.fc1.bias", "mlp.gate.router_mlp.fc1.bias"),
+    ("moe.router.fc2.weight", "mlp.gate.router_mlp.fc2.weight"),
+    ("moe.router.fc2.bias", "mlp.gate.router_mlp.fc2.bias"),
+    ("moe.router.out_proj.weight", "mlp.gate.router_mlp.out_proj.weight"),
+    ("moe.router.balancing_biases", "mlp.gate.balancing_biases"),
+    ("moe.experts.gate_up_proj", "mlp.experts.gate_up_proj"),
+    ("moe.experts.down_proj", "mlp.experts.down_proj"),
+    ("moe_residual.branch_scale", "post_mlp_residual_scale.hidden_states_scale"),
+    ("moe_residual.branch_bias", "post_mlp_residual_scale.hidden_states_bias"),
+    ("moe_residual.residual_scale", "post_mlp_residual_scale.residual_scale"),
+    ("moe_residual.residual_bias", "post_mlp_residual_scale.residual_bias"),
+]
+_TOP: list[tuple[str, str]] = [
+    ("embed.weight", "model.embed_tokens.weight"),
+    ("input_affine.scale", "model.input_hidden_states_scale"),
+    ("input_affine.bias", "model.input_hidden_states_bias"),
+    ("final_norm.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+]
+_ZAYA_ONLY = ("moe.router.balance_exp_avg", "moe.router.balance_exp_avg_sq", "moe.router.balance_step")
+_LAYER = re.compile(r"^blocks\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_TO_HF = dict(_RENAMES)
+_FROM_HF = {hf: ours for ours, hf in _RENAMES}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_SHARD_BYTES = 5 * 1024**3
+EXTRAS_FILE = "zaya_extras.safetensors"
+
+
+def zaya_to_hf_name(name: str) -> str | None:
+    """HF tensor name for a zaya one; None for zaya-only state."""
+    m = _LAYER.match(name)
+    if m:
+        if m.group(2) in _ZAYA_ONLY:
+            return None
+        return f"model.layers.{m.group(1)}.{_TO_HF[m.group(2)]}"
+    return dict(_TOP)[name]
+
+
+def hf_to_zaya_name(name: str) -> str:
+    m = _HF_LAYER.match(name)
+    if m and m.group(2) in _FROM_HF:
+        return f"blocks.{m.group(1)}.{_FROM_HF[m.group(2)]}"
+    top = {hf: ours for ours, hf in _TOP}
+    if name in top:
+        return top[name]
+    raise KeyError(name)
+
+
+# --------------------------------------------------------------------------------------------------- configs
+def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """ModelConfig for a Hugging Face zaya config.json; unsupported settings are errors naming the key."""
+    if hf.get("model_type") != "zaya":
+        raise ConfigError(f"{source}: model_type = {hf.get('model_type')!r}; only 'zaya' checkpoints are supported")
+
+    def need(key: str, ok: bool, rule: str) -> None:
+        if not ok:
+            raise ConfigError(f"{source}: {key} = {hf.get(key)!r} is not supported by zaya ({rule})")
+
+    layers = hf.get("num_hidden_layers", 40)
+    layer_types = hf.get("layer_types") or ["hybrid"] * layers
+    need("layer_types", all(t == "hybrid" for t in layer_types), "only full-attention 'hybrid' layers")
+    need("hidden_act", hf.get("hidden_act", "silu") == "silu", "experts are SwiGLU with silu")
+    need("attention_bias", not hf.get("attention_bias", False), "attention projections have no bias")
+    need("lm_head_bias", not hf.get("lm_head_bias", False), "the LM head has no bias")
+    rope = hf.get("rope_parameters") or {}
+    rope = rope.get("hybrid", rope)
+    need("rope_parameters", rope.get("rope_type", "default") == "default", "only default RoPE")
+    eos = hf.get("eos_token_id", 106)
+    values = dict(
+        vocab_size=hf.get("vocab_size", 262272),
+        hidden_size=hf.get("hidden_size", 2048),
+        num_layers=layers,
+        attention="cca",
+        num_query_heads=hf.get("num_attention_heads", 8),
+        num_kv_heads=hf.get("num_key_value_heads", 2),
+        head_dim=hf.get("head_dim", 128),
+        cca_depthwise_kernel=hf.get("cca_time0", 2),
+        cca_grouped_kernel=hf.get("cca_time1", 2),
+        rope_theta=float(rope.get("rope_theta", 5_000_000.0)),
+        rope_fraction=float(rope.get("partial_rotary_factor", 0.5)),
+        max_seq_len=hf.get("max_position_embeddings", 131072),
+        num_experts=hf.get("num_experts", 16),
+        top_k=hf.get("num_experts_per_tok", 1),
+        expert_hidden_size=hf.get("moe_intermediate_size", 2048),
+        router="zaya",
+        router_hidden_size=hf.get("router_hidden_size", 256),
+        router_eda=True,
+        router_skip_expert=True,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        residual_fp32=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        pad_token_id=hf.get("pad_token_id") if hf.get("pad_token_id") is not None else 0,
+        bos_token_id=hf.get("bos_token_id") if hf.get("bos_token_id") is not None else 2,
+        eos_token_id=(eos[0] if isinstance(eos, list) else eos) if eos is not None else 106,
+    )
+    return model_config_from_dict(values, source)
+
+
+# ModelConfig fields that config.json determines (everything model_config_from_hf sets).
+_HF_OWNED_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "num_layers", "attention", "num_query_heads", "num_kv_heads", "head_dim",
+    "cca_depthwise_kernel", "cca_grouped_kernel", "rope_theta", "rope_fraction", "max_seq_len", "num_experts",
+    "top_k", "expert_hidden_size", "router", "router_hidden_size", "router_eda", "router_skip_expert", "norm_eps",
+    "residual_fp32", "tie_embeddings", "init_std", "pad_token_id", "bos_token_id", "eos_token_id"})
+
+
+def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = None,
+                                dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """config.json for ``cfg``; ``base`` (an imported checkpoint's config) keeps keys zaya does not model."""
+    if cfg.attention != "cca" or cfg.router != "zaya" or not cfg.router_skip_expert or not cfg.router_eda:
+        raise ConfigError("only attention = 'cca' with router = 'zaya' (EDA and skip class on) has a Hugging Face "
+                          f"zaya layout; this model has attention = {cfg.attention!r}, router = {cfg.router!r}, "
+                          f"router_eda = {cfg.router_eda}, router_skip_expert = {cfg.router_skip_expert}")
+    out = dict(base or {})
+    eos = out.get("eos_token_id")
+    out.update(
+        model_type="zaya",
+        architectures=out.get("architectures", ["ZayaForCausalLM"]),
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_query_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        cca_time0=cfg.cca_depthwise_kernel,
+        cca_time1=cfg.cca_grouped_kernel,
+        max_position_embeddings=cfg.max_seq_len,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        moe_intermediate_size=cfg.expert_hidden_size,
+        router_hidden_size=cfg.router_hidden_size,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std,
+        hidden_act="silu",
+        attention_bias=False,
+        lm_head_bias=False,
+        pad_token_id=cfg.pad_token_id,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=eos if (eos == cfg.eos_token_id or (isinstance(eos, list) and eos and eos[0] == cfg.eos_token_id))
+        else cfg.eos_token_id,
+    )
+    rope = dict(out.get("rope_parameters") or {})
+    hybrid = dict(rope.get("hybrid") or {"rope_type": "default"})
+    hybrid.update(rope_theta=cfg.rope_theta, partial_rotary_factor=cfg.rope_fraction)
+    rope["hybrid"] = hybrid
+    out["rope_parameters"] = rope
+    if "layer_types" in out:
+        out["layer_types"] = ["hybrid"] * cfg.num_layers
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- tensors
+def hf_state_dict(model: ZayaForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under Hugging Face names (tied head omitted, zaya-only balancing state dropped)."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        hf_name = zaya_to_hf_name(name)
+        if hf_name is not None:
+            out[hf_name] = tensor.detach().contiguous().cpu()
+    return out
+
+
+def zaya_state_dict_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
+                            source: str) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            embed = tensors.get("model.embed_tokens.weight")
+            if embed is not None and not torch.equal(embed, tensor):
+                raise ValueError(f"{source}: lm_head.weight differs from model.embed_tokens.weight although "
+                                 "tie_word_embeddings is true")
+            continue
+        try:
+            state[hf_to_zaya_name(name)] = tensor
+        except KeyError:
+            raise ValueError(f"{source}: unexpected tensor {name!r}; it has no place in the zaya layout") from None
+    # zaya-only router state: balancing moment estimates start at zero on import.
+    for i in range(cfg.num_layers):
+        state[f"blocks.{i}.moe.router.balance_exp_avg"] = torch.zeros(cfg.num_experts)
+        state[f"blocks.{i}.moe.router.balance_exp_avg_sq"] = torch.zeros(cfg.num_experts)
+        state[f"blocks.{i}.moe.router.balance_step"] = torch.zeros(())
+    return state
+
+
+def hf_weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a HF checkpoint directory, sharded (index json) or single."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({directory / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{index} lists {f.name}, which is missing")
+        return files
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json (only safetensors "
+                            "checkpoints are supported; re-save with safe_serialization=True)")
+
+
+def load_hf(directory: str | Path, dtype: torch.dtype | None = None) -> ZayaForCausalLM:
+    """Load a Hugging Face ``zaya`` checkpoint directory into a ZayaForCausalLM."""
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    hf_cfg = json.loads(config_path.read_text())
+    cfg = model_config_from_hf(hf_cfg, str(config_path))
+    extras_path = directory / EXTRAS_FILE
+    extras: dict[str, torch.Tensor] = {}
+    if extras_path.is_file():
+        with safe_open(str(extras_path), framework="pt") as f:
+            meta = f.metadata() or {}
+            extras = {k: f.get_tensor(k) for k in f.keys()}
+        if "zaya_model_config" in meta:
+            # config.json owns every field it expresses; the side file supplies only zaya's own options.
+            merged = json.loads(meta["zaya_model_config"])
+            merged.update({k: v for k, v in to_dict(cfg).items() if k in _HF_OWNED_FIELDS})
+            cfg = model_config_from_dict(merged, str(extras_path))
+    files = hf_weight_files(directory)
+    source = str(files[0].parent / (files[0].name if len(files) == 1 else "model-*.safetensors"))
+    state = zaya_state_dict_from_hf(read_safetensors(files), cfg, source)
+    for name, tensor in extras.items():
+        if name not in state:
+            raise ValueError(f"{extras_path}: unexpected tensor {name!r}")
+        state[name] = tensor
+    model = build_from_state_dict(cfg, state, source, dtype)
+    model.hf_config = hf_cfg
+    return model
+
+
+def _tensor_dtype_name(model: ZayaForCausalLM) -> torch.dtype:
+    return model.embed.weight.dtype
+
+
+def save_hf(model: ZayaForCausalLM, directory: str | Path, overwrite: bool = False,
+            max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write ``model`` in the Hugging Face zaya layout (sharded above ``max_shard_bytes``), atomically."""
+    config = hf_config_from_model_config(model.config, getattr(model, "hf_config", None), _tensor_dtype_name(model))
+    tensors = hf_state_dict(model)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update({k: fname for k in shard})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        extras = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+                  if zaya_to_hf_name(k) is None}
+        save_file(extras, str(tmp / EXTRAS_FILE),
+                  metadata={"format": "pt", "zaya_model_config": json.dumps(to_dict(model.config))})
+    return Path(directory)
+
+
+def convert(src: str | Path, dst: str | Path, to: str, dtype: str = "keep", overwrite: bool = False) -> Path:
+    """Convert between the zaya and Hugging Face layouts (``to`` = "hf" or "zaya"); lossless with dtype="keep"."""
+    src, dst = Path(src), Path(dst)
+    if to not in ("hf", "zaya"):
+        raise ValueError(f"--to must be 'hf' or 'zaya', got {to!r}")
+    if dtype != "keep" and dtype not in _DTYPES:
+        raise ValueError(f"--dtype must be 'keep' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    if src.resolve() == dst.resolve():
+        raise ValueError(f"source and destination are the same directory ({src})")
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} is not a directory")
+    torch_dtype = None if dtype == "keep" else _DTYPES[dtype]
+    if is_zaya_checkpoint(src):
+        model = load_checkpoint(src, torch_dtype)
+    elif (src / "config.json").is_file():
+        model = load_hf(src, torch_dtype)
+    else:
+        raise FileNotFoundError(f"{src} is neither a zaya checkpoint (zaya.json) nor a Hugging Face directory "
+                                "(config.json)")
+    if to == "hf":
+        return save_hf(model, dst, overwrite=overwrite)
+    return save_checkpoint(model, dst, overwrite=overwrite)

@@ -1,0 +1,174 @@
+"""Model files: the zaya checkpoint directory, safe (atomic) directory writes, and ``load_pretrained``.
+
+A zaya checkpoint is a directory with ``zaya.json`` (format tag, the ModelConfig, and, when the weights came from
+a Hugging Face checkpoint, that checkpoint's config.json so that converting back is lossless) and
+``model.safetensors`` holding every parameter and persistent buffer under zaya's own names (the router's
+balancing biases and their moment estimates included).
+
+Every write goes to a temporary sibling directory that is renamed into place only when complete, so a crash never
+leaves a half-written checkpoint where a good one was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from zaya.config import ModelConfig, model_config_from_dict, to_dict
+from zaya.model.zaya import ZayaForCausalLM
+
+ZAYA_META = "zaya.json"
+ZAYA_WEIGHTS = "model.safetensors"
+FORMAT_TAG = "zaya-checkpoint"
+FORMAT_VERSION = 1
+
+
+@contextmanager
+def atomic_directory(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory that replaces ``dst`` only if the block finishes without an exception."""
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} already exists; choose another destination or pass overwrite/--force")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_safetensors(paths: list[Path]) -> dict[str, torch.Tensor]:
+    """Read every tensor of one or more safetensors files; a name present twice is an error."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name in tensors:
+                    raise ValueError(f"{path}: tensor {name!r} also appears in an earlier shard")
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a zaya checkpoint of this config holds (computed on the meta device)."""
+    with torch.device("meta"):
+        model = ZayaForCausalLM(cfg)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def build_from_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str,
+                          dtype: torch.dtype | None = None) -> ZayaForCausalLM:
+    """Make a model whose tensors are exactly ``state`` (no re-initialisation), checking names and shapes first."""
+    with torch.device("meta"):
+        model = ZayaForCausalLM(cfg)
+    want = model.state_dict()
+    missing = [k for k in want if k not in state]
+    if missing:
+        raise ValueError(f"{source}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
+    unexpected = [k for k in state if k not in want]
+    if unexpected:
+        raise ValueError(f"{source}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all); "
+                         "does the config match the weights?")
+    for name, ref in want.items():
+        if tuple(state[name].shape) != tuple(ref.shape):
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(state[name].shape)} but the config "
+                             f"implies {tuple(ref.shape)}")
+    if dtype is not None:
+        state = {k: (v.to(dtype) if v.is_floating_point() and not _keeps_fp32(k) else v) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    # Non-persistent buffers (the RoPE frequency table) are derived from the config, not stored.
+    model.rope.inv_freq = torch.empty_like(model.rope.inv_freq, device="cpu")
+    model.rope.reset_parameters()
+    return model
+
+
+def _keeps_fp32(name: str) -> bool:
+    """Router balancing state stays fp32 whatever the weights' dtype (it is compared against fp32 softmax)."""
+    return ".router.balanc" in name
+
+
+def save_checkpoint(model: ZayaForCausalLM, directory: str | Path, overwrite: bool = True,
+                    hf_config: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` as a zaya checkpoint directory (atomically)."""
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    meta: dict[str, Any] = {"format": FORMAT_TAG, "version": FORMAT_VERSION, "model": to_dict(model.config)}
+    if hf_config is not None:
+        meta["hf_config"] = hf_config
+    elif getattr(model, "hf_config", None) is not None:
+        meta["hf_config"] = model.hf_config
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        save_file(state, str(tmp / ZAYA_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ZAYA_META).write_text(json.dumps(meta, indent=2) + "\n")
+    return Path(directory)
+
+
+def is_zaya_checkpoint(directory: str | Path) -> bool:
+    return (Path(directory) / ZAYA_META).is_file()
+
+
+def read_zaya_meta(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / ZAYA_META
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT_TAG:
+        raise ValueError(f"{path}: not a zaya checkpoint (format = {meta.get('format')!r})")
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format version {meta.get('version')} is not supported "
+                         f"(this zaya reads version {FORMAT_VERSION})")
+    return meta
+
+
+def load_checkpoint(directory: str | Path, dtype: torch.dtype | None = None) -> ZayaForCausalLM:
+    """Load a zaya checkpoint directory written by ``save_checkpoint``."""
+    directory = Path(directory)
+    meta = read_zaya_meta(directory)
+    cfg = model_config_from_dict(meta["model"], f"{directory / ZAYA_META} [model]")
+    weights = directory / ZAYA_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} is missing")
+    model = build_from_state_dict(cfg, read_safetensors([weights]), str(weights), dtype)
+    model.hf_config = meta.get("hf_config")
+    return model
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> ZayaForCausalLM:
+    """Load a model from a zaya checkpoint or a Hugging Face ``zaya`` directory (config.json + safetensors).
+
+    Tensors keep their stored dtype unless ``dtype`` is given. Nothing is re-initialised: the router's balancing
+    biases come from the file. Returns a ``ZayaForCausalLM`` in eval mode; ``model(input_ids).logits`` gives
+    [B, T, V] logits.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory (expected a zaya checkpoint or a Hugging Face model "
+                                "directory)")
+    if is_zaya_checkpoint(path):
+        model = load_checkpoint(path, dtype)
+    elif (path / "config.json").is_file():
+        from zaya.model.hf import load_hf
+
+        model = load_hf(path, dtype)
+    else:
+        raise FileNotFoundError(f"{path} holds neither {ZAYA_META} (zaya checkpoint) nor config.json "
+                                "(Hugging Face checkpoint)")
+    return model.eval()

@@ -1,0 +1,291 @@
+"""The ZAYA1 decoder: embedding + input affine, blocks of (CCA attention, MoE) with residual scaling, final RMSNorm,
+tied LM head, and incremental decoding / ``generate``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zaya.config import ModelConfig
+from zaya.model.attention import Attention, AttentionCache
+from zaya.model.layers import InputAffine, ResidualScale, RMSNorm, RotaryEmbedding
+from zaya.model.moe import MoEBlock
+
+
+@dataclass
+class DecodeState:
+    """Everything needed to continue a batch of sequences one step at a time."""
+
+    caches: list[AttentionCache]
+    """One per layer: KV cache plus the CCA convolution and value-shift state."""
+    key_valid: torch.Tensor
+    """[B, capacity] bool: which cached positions hold real (non-padding) tokens."""
+    length: int = 0
+    """Positions filled so far (the same for every sequence; left padding counts as positions)."""
+    has_padding: bool = False
+    """Whether any cached position is padding (then every step needs an explicit attention mask)."""
+
+    @property
+    def capacity(self) -> int:
+        return self.key_valid.shape[1]
+
+
+@dataclass
+class ZayaOutput:
+    """What a forward pass returns."""
+
+    logits: torch.Tensor
+    """[B, T, V] next-token logits."""
+    loss: torch.Tensor | None = None
+    """Mean cross-entropy over labels != -100, when labels were given."""
+    tokens_per_expert: torch.Tensor | None = None
+    """[num_layers, router classes] tokens routed to each expert (last column: skip), padding excluded."""
+    state: DecodeState | None = field(default=None, repr=False)
+    """The decode state passed in, advanced past this call's tokens."""
+
+
+class Block(nn.Module):
+    """Pre-norm CCA attention then MoE, each joined to the residual stream by a ResidualScale."""
+
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.attn_residual = ResidualScale(cfg.hidden_size)
+        self.moe_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.moe = MoEBlock(cfg, layer_index)
+        self.moe_residual = ResidualScale(cfg.hidden_size)
+        self.residual_fp32 = cfg.residual_fp32
+
+    def forward(self, x: torch.Tensor, prev_latent: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                token_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, cache: AttentionCache | None,
+                cache_start: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        h = self.attn_norm(x.to(self.attn_norm.weight.dtype))
+        a = self.attention(h, cos, sin, token_mask, attn_mask, cache, cache_start)
+        x = self._join(self.attn_residual(a, x))
+        h = self.moe_norm(x.to(self.moe_norm.weight.dtype))
+        m, latent, counts = self.moe(h, prev_latent, token_mask)
+        x = self._join(self.moe_residual(m, x))
+        return x, latent, counts
+
+    def _join(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() if self.residual_fp32 else x.to(self.attn_norm.weight.dtype)
+
+
+class ZayaForCausalLM(nn.Module):
+    """ZAYA1-style MoE language model. ``model(input_ids)`` returns a ``ZayaOutput`` with ``.logits``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.input_affine = InputAffine(config.hidden_size)
+        self.rope = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.final_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    # ----------------------------------------------------------------------------------------------- init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise every weight and buffer (also used after materialising a meta-device model)."""
+        cfg = self.config
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        nn.init.normal_(self.embed.weight, std=std)
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, std=std)
+        self.rope.reset_parameters()
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, ResidualScale, InputAffine)):
+                for name, p in module.named_parameters():
+                    p.fill_(1.0 if ("scale" in name or name == "weight") else 0.0)
+        for block in self.blocks:
+            block.attention.reset_parameters(std, out_std)
+            block.moe.reset_parameters(std, cfg.num_layers)
+
+    # ----------------------------------------------------------------------------------------------- forward
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        state: DecodeState | None = None,
+        logits_to_keep: int = 0,
+    ) -> ZayaOutput:
+        """Run the decoder.
+
+        input_ids: [B, T] token ids.
+        attention_mask: [B, T] with 1 for real tokens and 0 for padding (left padding for batched generation).
+            Padding is zeroed before the CCA convolutions, masked out as keys, and left out of router statistics.
+        position_ids: [B, T] or [T]; default ``arange(T)`` offset by the decode state's length (as in the
+            Hugging Face port: attention scores depend only on position differences, so left padding is harmless).
+        labels: [B, T] next-token targets aligned with input positions (-100 = ignore) -> ``loss``.
+        state: a ``DecodeState`` from ``new_state`` to continue from; it is advanced in place.
+        logits_to_keep: if > 0, compute logits only for the last this-many positions.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        b, t = input_ids.shape
+        if t == 0:
+            raise ValueError("input_ids has no tokens")
+        if int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0:
+            raise ValueError(f"input_ids hold ids outside [0, vocab_size={self.config.vocab_size})")
+        start = 0 if state is None else state.length
+        if state is not None and start + t > state.capacity:
+            raise ValueError(f"decode state holds {state.capacity} positions; {start} used, {t} more requested")
+        device = input_ids.device
+
+        token_mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                                 f"{tuple(input_ids.shape)} (pass the mask of this call's tokens only)")
+            token_mask = attention_mask.to(device=device, dtype=torch.bool)
+            if bool(token_mask.all()):
+                token_mask = None
+        attn_mask = self._attention_mask(token_mask, state, start, t, device)
+        if state is not None:
+            state.key_valid[:, start:start + t] = True if token_mask is None else token_mask
+            state.has_padding = state.has_padding or token_mask is not None
+
+        if position_ids is None:
+            position_ids = torch.arange(start, start + t, device=device)[None]
+        elif position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        x = self.input_affine(self.embed(input_ids))
+        cos, sin = self.rope.cos_sin(position_ids)
+        x = x.float() if self.config.residual_fp32 else x
+
+        latent = None
+        counts = []
+        for i, block in enumerate(self.blocks):
+            cache = None if state is None else state.caches[i]
+            x, latent, c = block(x, latent, cos, sin, token_mask, attn_mask, cache, start)
+            counts.append(c)
+        if state is not None:
+            state.length = start + t
+
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]
+        h = self.final_norm(x.to(self.final_norm.weight.dtype))
+        logits = F.linear(h, self.head_weight())
+        loss = None
+        if labels is not None:
+            if logits_to_keep > 0:
+                labels = labels[:, -logits_to_keep:]
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                   ignore_index=-100)
+        return ZayaOutput(logits=logits, loss=loss, tokens_per_expert=torch.stack(counts), state=state)
+
+    @staticmethod
+    def _attention_mask(token_mask: torch.Tensor | None, state: DecodeState | None, start: int, t: int,
+                        device: torch.device) -> torch.Tensor | None:
+        """[B, 1, T, S] bool mask (True = may attend), or None where plain causal / attend-all suffices."""
+        if state is None and token_mask is None:
+            return None
+        if state is not None and t == 1 and token_mask is None and not state.has_padding:
+            return None
+        end = start + t
+        if state is not None:
+            valid = state.key_valid[:, :end].clone()
+            if token_mask is not None:
+                valid[:, start:] = token_mask
+            else:
+                valid[:, start:] = True
+        else:
+            valid = token_mask
+        q_pos = torch.arange(start, end, device=device)
+        k_pos = torch.arange(end, device=device)
+        allowed = (k_pos[None, :] <= q_pos[:, None])[None, None] & valid[:, None, None, :]
+        # A padding query with no valid key would give NaN; let it attend to itself (its output is never used).
+        lonely = ~allowed.any(dim=-1, keepdim=True)
+        return allowed | (lonely & (k_pos[None, :] == q_pos[:, None])[None, None])
+
+    # ----------------------------------------------------------------------------------------------- decoding
+    def new_state(self, batch: int, capacity: int | None = None, dtype: torch.dtype | None = None) -> DecodeState:
+        """An empty decode state for ``batch`` sequences of up to ``capacity`` tokens (default max_seq_len)."""
+        capacity = capacity or self.config.max_seq_len
+        param = self.embed.weight
+        dtype = dtype or param.dtype
+        caches = [blk.attention.new_cache(batch, capacity, dtype, param.device) for blk in self.blocks]
+        return DecodeState(caches=caches, key_valid=torch.zeros(batch, capacity, dtype=torch.bool,
+                                                                device=param.device))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | None = None,
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` after ``input_ids`` [B, T] (left-pad a ragged batch and pass its mask).
+
+        temperature 0 means greedy. top_k keeps the k most likely tokens, top_p the smallest set whose probability
+        reaches p. A fixed ``seed`` makes sampling reproducible. Sequences that emit ``eos_token_id`` keep emitting
+        it. Returns [B, T + max_new_tokens].
+        """
+        if max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        if temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if max_new_tokens == 0:
+            return input_ids
+        b, t = input_ids.shape
+        state = self.new_state(b, t + max_new_tokens)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+        logits = self(input_ids, attention_mask=attention_mask, state=state, logits_to_keep=1).logits[:, -1]
+        done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+        new_tokens = []
+        for step in range(max_new_tokens):
+            token = sample_next(logits, temperature, top_k, top_p, generator)
+            if eos_token_id is not None:
+                token = torch.where(done, torch.full_like(token, eos_token_id), token)
+                done |= token == eos_token_id
+            new_tokens.append(token)
+            if step + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+                break
+            logits = self(token[:, None], state=state).logits[:, -1]
+        out = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+        if out.shape[1] < t + max_new_tokens:
+            pad = torch.full((b, t + max_new_tokens - out.shape[1]), eos_token_id, dtype=out.dtype, device=out.device)
+            out = torch.cat([out, pad], dim=1)
+        return out
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """Pick one token per row of ``logits`` [B, V]."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens before it already reach top_p (the most likely one always stays).
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
