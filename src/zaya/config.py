@@ -120,7 +120,7 @@ class ModelConfig:
         need(self.head_dim % 2 == 0, "head_dim", "must be even for RoPE")
         need(0.0 <= self.rope_fraction <= 1.0, "rope_fraction", "must be within [0, 1]")
         rotary = self.rotary_dim
-        need(rotary % 2 == 0, "rope_fraction",
+        need(rotary % 2 == 0 and abs(self.head_dim * self.rope_fraction - rotary) < 1e-9, "rope_fraction",
              f"head_dim * rope_fraction = {self.head_dim * self.rope_fraction:g} must be an even whole number")
         need(self.rope_theta > 0, "rope_theta", "must be positive")
         need(self.top_k <= self.num_experts, "top_k", f"must not exceed num_experts ({self.num_experts})")

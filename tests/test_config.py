@@ -1,0 +1,66 @@
+"""Config loading: presets load, unknown keys get a suggestion, shape rules fail at load naming key and rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from zaya.config import ConfigError, ModelConfig, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "zaya1-base"])
+def test_presets_load(name):
+    cfg = load_config(CONFIGS / f"{name}.toml")
+    assert cfg.model.num_layers >= 1
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_suggests_the_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"c\.toml \[model\]: unknown key 'num_expert'.*'num_experts'"):
+        load_config(write(tmp_path, "[model]\nnum_expert = 4\n"))
+
+
+def test_unknown_table_suggests_the_nearest(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown table \[modle\].*'model'"):
+        load_config(write(tmp_path, "[modle]\nhidden_size = 4\n"))
+
+
+@pytest.mark.parametrize("text,key,rule", [
+    ("num_query_heads = 6\nnum_kv_heads = 4", "num_query_heads", "multiple of num_kv_heads"),
+    ("head_dim = 33", "head_dim", "even for RoPE"),
+    ("top_k = 17", "top_k", "must not exceed num_experts"),
+    ('attention = "mha"\nnum_kv_heads = 2', "num_kv_heads", "must equal num_query_heads"),
+    ("num_kv_heads = 1\nnum_query_heads = 4", "num_kv_heads", "must be even for CCA"),
+    ("rope_fraction = 0.3", "rope_fraction", "even whole number"),
+    ('router = "sinkhorn"', "router", "must be one of"),
+    ("hidden_size = 0", "hidden_size", "positive"),
+])
+def test_shape_rules_fail_at_load(tmp_path, text, key, rule):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, f"[model]\n{text}\n"))
+    assert f"model.{key}" in str(err.value) and rule in str(err.value) and "c.toml" in str(err.value)
+
+
+def test_wrong_type_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[model\]\.hidden_size = '64': expected int"):
+        load_config(write(tmp_path, '[model]\nhidden_size = "64"\n'))
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[model\n"))
+
+
+def test_ints_are_accepted_for_floats_and_defaults_fill_in(tmp_path):
+    cfg = load_config(write(tmp_path, "[model]\nrope_theta = 1000000\n"))
+    assert cfg.model.rope_theta == 1e6 and cfg.model.hidden_size == ModelConfig().hidden_size
