@@ -9,8 +9,8 @@ Differences handled here:
 - the router's balancing-bias moment estimates and the zaya-only config options (balancing step size, init
   choices, ...) have no place in the HF layout; they travel in a side file, ``zaya_extras.safetensors``, that
   ``transformers`` ignores. Importing a checkpoint without it starts the moments at zero;
-- the original config.json is kept with the model, so converting HF -> zaya -> HF gives back the same config
-  and bit-identical tensors.
+- the original config.json (and generation_config.json, when there is one) is kept with the model, so converting
+  HF -> zaya -> HF gives back the same files and bit-identical tensors.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 from safetensors import safe_open
 
 from zaya.config import ConfigError, ModelConfig, model_config_from_dict, to_dict
-from zaya.model.io import (atomic_directory, build_from_state_dict, is_zaya_checkpoint, load_checkpoint,
-                           read_safetensors, save_checkpoint)
+from zaya.model.io import (atomic_directory, build_from_state_dict, expected_shapes, is_zaya_checkpoint,
+                           load_checkpoint, read_safetensors, save_checkpoint)
 from zaya.model.zaya import ZayaForCausalLM
 
 # (zaya suffix, HF suffix) for tensors inside decoder layer i: "blocks.{i}." <-> "model.layers.{i}.".
@@ -81,6 +81,7 @@ _FROM_HF = {hf: ours for ours, hf in _RENAMES}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SHARD_BYTES = 5 * 1024**3
 EXTRAS_FILE = "zaya_extras.safetensors"
+GENERATION_CONFIG = "generation_config.json"
 
 
 def zaya_to_hf_name(name: str) -> str | None:
@@ -159,7 +160,9 @@ _HF_OWNED_FIELDS = frozenset({
     "vocab_size", "hidden_size", "num_layers", "attention", "num_query_heads", "num_kv_heads", "head_dim",
     "cca_depthwise_kernel", "cca_grouped_kernel", "rope_theta", "rope_fraction", "max_seq_len", "num_experts",
     "top_k", "expert_hidden_size", "router", "router_hidden_size", "router_eda", "router_skip_expert", "norm_eps",
-    "residual_fp32", "tie_embeddings", "init_std", "pad_token_id", "bos_token_id", "eos_token_id"})
+    "tie_embeddings", "init_std", "pad_token_id", "bos_token_id", "eos_token_id"})
+# residual_fp32 is set by model_config_from_hf (the HF port always keeps the residual stream in fp32) but config.json
+# cannot express it, so a side file's value wins: a zaya model with residual_fp32 = false survives zaya -> HF -> zaya.
 
 
 def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = None,
@@ -205,9 +208,26 @@ def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = 
     out["rope_parameters"] = rope
     if "layer_types" in out:
         out["layer_types"] = ["hybrid"] * cfg.num_layers
+    if base:
+        try:
+            unchanged = _hf_owned(model_config_from_hf(base)) == _hf_owned(cfg)
+        except (ConfigError, TypeError, ValueError):
+            unchanged = False
+        if unchanged:
+            # Nothing config.json expresses has changed: give the imported config back exactly as it was (keys
+            # left to transformers' defaults stay absent, null token ids stay null, eos lists stay lists).
+            out = json.loads(json.dumps(base))
     if dtype is not None:
-        out["dtype"] = str(dtype).removeprefix("torch.")
+        name = str(dtype).removeprefix("torch.")
+        if out.get("dtype", out.get("torch_dtype")) != name:
+            out["dtype"] = name
+            if "torch_dtype" in out:
+                out["torch_dtype"] = name
     return out
+
+
+def _hf_owned(cfg: ModelConfig) -> dict[str, Any]:
+    return {k: v for k, v in to_dict(cfg).items() if k in _HF_OWNED_FIELDS}
 
 
 # --------------------------------------------------------------------------------------------------- tensors
@@ -279,14 +299,35 @@ def load_hf(directory: str | Path, dtype: torch.dtype | None = None) -> ZayaForC
             cfg = model_config_from_dict(merged, str(extras_path))
     files = hf_weight_files(directory)
     source = str(files[0].parent / (files[0].name if len(files) == 1 else "model-*.safetensors"))
-    state = zaya_state_dict_from_hf(read_safetensors(files), cfg, source)
+    tensors = read_safetensors(files)
+    check_hf_tensors(tensors, cfg, source)
+    state = zaya_state_dict_from_hf(tensors, cfg, source)
     for name, tensor in extras.items():
         if name not in state:
             raise ValueError(f"{extras_path}: unexpected tensor {name!r}")
         state[name] = tensor
     model = build_from_state_dict(cfg, state, source, dtype)
     model.hf_config = hf_cfg
+    generation = directory / GENERATION_CONFIG
+    model.hf_generation_config = json.loads(generation.read_text()) if generation.is_file() else None
     return model
+
+
+def check_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
+    """Fail, naming the tensor as the checkpoint names it, when one is missing or its shape contradicts the config."""
+    want = {}
+    for name, shape in expected_shapes(cfg).items():
+        hf_name = zaya_to_hf_name(name)
+        if hf_name is not None:
+            want[hf_name] = shape
+    missing = [k for k in want if k not in tensors]
+    if missing:
+        raise ValueError(f"{source}: tensor {missing[0]!r} is missing ({len(missing)} missing in all); does "
+                         "config.json match the weights?")
+    for name, shape in want.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)} but config.json "
+                             f"implies {shape}")
 
 
 def _tensor_dtype_name(model: ZayaForCausalLM) -> torch.dtype:
@@ -320,6 +361,9 @@ def save_hf(model: ZayaForCausalLM, directory: str | Path, overwrite: bool = Fal
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        generation = getattr(model, "hf_generation_config", None)
+        if generation is not None:
+            (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
         extras = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
                   if zaya_to_hf_name(k) is None}
         save_file(extras, str(tmp / EXTRAS_FILE),

@@ -1,9 +1,9 @@
 """Model files: the zaya checkpoint directory, safe (atomic) directory writes, and ``load_pretrained``.
 
 A zaya checkpoint is a directory with ``zaya.json`` (format tag, the ModelConfig, and, when the weights came from
-a Hugging Face checkpoint, that checkpoint's config.json so that converting back is lossless) and
-``model.safetensors`` holding every parameter and persistent buffer under zaya's own names (the router's
-balancing biases and their moment estimates included).
+a Hugging Face checkpoint, that checkpoint's config.json and generation_config.json so that converting back is
+lossless) and ``model.safetensors`` holding every parameter and persistent buffer under zaya's own names (the
+router's balancing biases and their moment estimates included).
 
 Every write goes to a temporary sibling directory that is renamed into place only when complete, so a crash never
 leaves a half-written checkpoint where a good one was.
@@ -95,7 +95,8 @@ def build_from_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], sour
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(state[name].shape)} but the config "
                              f"implies {tuple(ref.shape)}")
     if dtype is not None:
-        state = {k: (v.to(dtype) if v.is_floating_point() and not _keeps_fp32(k) else v) for k, v in state.items()}
+        state = {k: (v.float() if _keeps_fp32(k) else v.to(dtype)) if v.is_floating_point() else v
+                 for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     # Non-persistent buffers (the RoPE frequency table) are derived from the config, not stored.
     model.rope.inv_freq = torch.empty_like(model.rope.inv_freq, device="cpu")
@@ -104,7 +105,9 @@ def build_from_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], sour
 
 
 def _keeps_fp32(name: str) -> bool:
-    """Router balancing state stays fp32 whatever the weights' dtype (it is compared against fp32 softmax)."""
+    """Router balancing state is made fp32 whatever dtype the weights are converted to (it is added to the fp32
+    softmax); converting a checkpoint that holds it in another dtype (transformers' ``model.to(bf16)`` casts buffers
+    too) therefore upcasts it exactly."""
     return ".router.balanc" in name
 
 
@@ -117,6 +120,8 @@ def save_checkpoint(model: ZayaForCausalLM, directory: str | Path, overwrite: bo
         meta["hf_config"] = hf_config
     elif getattr(model, "hf_config", None) is not None:
         meta["hf_config"] = model.hf_config
+    if getattr(model, "hf_generation_config", None) is not None:
+        meta["hf_generation_config"] = model.hf_generation_config
     with atomic_directory(directory, overwrite=overwrite) as tmp:
         save_file(state, str(tmp / ZAYA_WEIGHTS), metadata={"format": "pt"})
         (tmp / ZAYA_META).write_text(json.dumps(meta, indent=2) + "\n")
@@ -148,6 +153,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype | None = None) -> 
         raise FileNotFoundError(f"{weights} is missing")
     model = build_from_state_dict(cfg, read_safetensors([weights]), str(weights), dtype)
     model.hf_config = meta.get("hf_config")
+    model.hf_generation_config = meta.get("hf_generation_config")
     return model
 
 
