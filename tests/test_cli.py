@@ -87,6 +87,9 @@ def test_train_end_to_end_micro(tmp_path, capsys):
     assert metrics["final_loss"] < metrics["first_loss"] - 1.0
     assert metrics["val_loss"] < metrics["first_loss"]
     assert metrics["tokens_per_s"] > 0
+    from zaya.config import load_config
+
+    assert load_config(out_dir / "config.toml").train.steps == 30  # the run records what it used
     checkpoint = out_dir / "model"
     assert metrics["checkpoint"] == str(checkpoint)
     assert (checkpoint / "zaya.json").is_file() and (checkpoint / "model.safetensors").is_file()

@@ -64,3 +64,12 @@ def test_missing_file_and_bad_toml(tmp_path):
 def test_ints_are_accepted_for_floats_and_defaults_fill_in(tmp_path):
     cfg = load_config(write(tmp_path, "[model]\nrope_theta = 1000000\n"))
     assert cfg.model.rope_theta == 1e6 and cfg.model.hidden_size == ModelConfig().hidden_size
+
+
+def test_dump_and_load_round_trip(tmp_path):
+    from zaya.config import dump_config
+
+    cfg = load_config(CONFIGS / "tiny.toml")
+    cfg.model.router_balance_betas = (0.8, 0.99)
+    again = load_config(dump_config(cfg, tmp_path / "run" / "config.toml"))
+    assert again == cfg

@@ -263,3 +263,15 @@ def to_dict(obj: Any) -> dict[str, Any]:
         return v
 
     return fix(out)
+
+
+def dump_config(config: Config, path: str | Path) -> Path:
+    """Write ``config`` as TOML (every key, defaults included) so a run records exactly what it used."""
+    import tomli_w
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(tomli_w.dumps(to_dict(config)))
+    tmp.replace(path)
+    return path

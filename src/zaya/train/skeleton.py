@@ -104,6 +104,7 @@ def train(config: Config) -> dict[str, Any]:
     The returned (and saved) metrics: ``first_loss`` (step 1), ``final_loss`` (mean of the last 10 steps' losses),
     ``val_loss`` (held-out last 5% of the corpus), ``steps``, ``tokens_per_s`` (training only), the sample text.
     """
+    from zaya.config import dump_config
     from zaya.model import ZayaForCausalLM, save_checkpoint, update_balancing_biases
 
     tc, mc = config.train, config.model
@@ -193,6 +194,7 @@ def train(config: Config) -> dict[str, Any]:
         "sample": sample,
     }
     save_checkpoint(model, checkpoint_dir)
+    dump_config(config, out_dir / "config.toml")
     (out_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
 
     _say(console, f"validation loss {val_loss:.4f} (first train loss {losses[0]:.4f}, "
