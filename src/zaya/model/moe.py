@@ -5,9 +5,17 @@ checkpoints: ``gate_up_proj`` [E, 2I, D] (gate rows first, then up rows) and ``d
 
 Dispatch never loops over tokens in Python: the (token, slot) assignments are sorted by expert, the tokens
 gathered into one contiguous [M, D] block, both projections run as one grouped matmul each over the per-expert
-row ranges (``F.grouped_mm``), the result is weighted and scattered back. Assignments to the skip class sort last
-and are simply not computed. Where grouped_mm is missing or not supported for the device/dtype, the same sorted
-layout is multiplied expert by expert over contiguous slices.
+row ranges (``F.grouped_mm``), the result is scattered back to token order and weighted. Assignments to the skip
+class sort last and are simply not computed. Where grouped_mm is missing or not supported for the device/dtype, the
+same sorted layout is multiplied expert by expert over contiguous slices.
+
+The gather/scatter, SwiGLU and grouped matmul have small hand-written backwards (the same arithmetic as autograd's;
+only the k > 1 sum of a token's slot gradients may round differently): the row permutations' backwards are
+gathers/copies with distinct indices instead of accumulating scatters (``index_put_`` with accumulate, serial on
+CPU), the mixing weights are applied while scattering back (no extra [N, D] tensor), the SwiGLU backward writes the
+gate and up gradients into one buffer instead of concatenating them, and no [N * k, D] zero tensor is allocated
+unless some assignment is skipped. On CPU these memory-bound steps otherwise add ~10% to the expert matmuls at the
+ZAYA1-base shape (see benchmarks/moe_block.py and benchmarks/results.md).
 """
 
 from __future__ import annotations
@@ -17,22 +25,112 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from zaya.config import ModelConfig
-from zaya.model.layers import swiglu
 from zaya.model.router import build_router
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous (grouped_mm's backward requires it)."""
+class _DispatchRows(torch.autograd.Function):
+    """``x[tokens]``: gather the routed (token, slot) assignments in expert order, rows ``[M, D]``.
+
+    ``dest`` holds each sorted row's flat assignment index ``token * k + slot``. The backward writes every row's
+    gradient to its assignment (``index_copy_``, the indices are distinct, so no accumulating scatter) and sums a
+    token's k slots; assignments to the skip class get zero.
+    """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return x.view_as(x)
+    def forward(ctx, x: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, k: int) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(dest)
+        ctx.n, ctx.k = x.shape[0], k
+        return x.index_select(0, tokens)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return grad.contiguous()
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        (dest,) = ctx.saved_tensors
+        slots = ctx.n * ctx.k
+        full = grad.new_empty(slots, grad.shape[1]) if dest.numel() == slots else grad.new_zeros(slots, grad.shape[1])
+        full.index_copy_(0, dest, grad)
+        return (full.view(ctx.n, ctx.k, -1).sum(1) if ctx.k > 1 else full), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """Inverse of the dispatch, fused with the mixing weights: ``out[dest[p]] = y[p] * weights[dest[p]]``.
+
+    ``y`` [M, D] holds the sorted rows, ``weights`` [N * k] the mixing weight of every assignment (in y's dtype);
+    the result is [N * k, D] in assignment order, zero for skipped assignments. Same products as ``combined *
+    weights[:, None]``, without the intermediate tensor; the backward gathers the incoming gradient once into sorted
+    order and gets both gradients from it.
+    """
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(y, weights, dest)
+        slots = weights.shape[0]
+        out = y.new_empty(slots, y.shape[1]) if dest.numel() == slots else y.new_zeros(slots, y.shape[1])
+        return out.index_copy_(0, dest, y).mul_(weights[:, None])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        y, weights, dest = ctx.saved_tensors
+        g = grad.index_select(0, dest)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = weights.new_zeros(weights.shape[0]).index_copy_(0, dest, (g * y).sum(-1))
+        grad_y = g.mul_(weights.index_select(0, dest)[:, None]) if ctx.needs_input_grad[0] else None
+        return grad_y, grad_w, None
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` on a packed [M, 2I] tensor (same kernels and rounding as the unfused ops).
+
+    Saves only the packed input; the backward writes the gate and up gradients straight into one [M, 2I] buffer
+    (no concatenation) and recomputes silu(gate) instead of keeping it alive between forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(h)
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        grad_h = torch.empty_like(h)
+        grad_gate, grad_up = grad_h.chunk(2, dim=-1)
+        torch.ops.aten.silu.out(gate, out=grad_up)
+        grad_up.mul_(grad)
+        torch.mul(grad, up, out=grad_gate)
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
+        return grad_h
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """Rows of ``x`` [M, in] grouped by expert (cumulative row ``offsets``) times ``weight[e].T`` ([E, out, in]).
+
+    Forward and both backward products are single ``F.grouped_mm`` calls, the weight gradient (``grad.T @ x``,
+    grouped over rows) in the parameter's own [E, out, in] layout. The incoming gradient is made contiguous, as
+    grouped_mm's backward requires.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(x, weight, offsets)
+        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        x, weight, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = F.grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_w = F.grouped_mm(grad.t(), x, offs=offsets) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -46,11 +144,11 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], offsets: torch.Tensor,
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], offsets: torch.Tensor | None,
                     use_grouped_mm: bool) -> torch.Tensor:
     """Rows of ``x`` [M, in], grouped by expert (``counts``), times ``weight[e].T`` ([E, out, in])."""
     if use_grouped_mm:
-        return _ContiguousGrad.apply(F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets))
+        return _GroupedLinear.apply(x, weight, offsets)
     outs = []
     start = 0
     for e, count in enumerate(counts):
@@ -86,25 +184,20 @@ class Experts(nn.Module):
         n, k = experts.shape
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
         counts_all = torch.bincount(flat, minlength=self.num_experts + 1)
         counts = counts_all[: self.num_experts].tolist()
         routed = sum(counts)
-        out = x.new_zeros(n * k, self.hidden_size, dtype=dtype)
         if routed == 0:
-            return out.view(n, k, -1).sum(1)
-        order = order[:routed]
-        tokens = order // k
-        xs = x[tokens].to(dtype)
+            return x.new_zeros(n, self.hidden_size, dtype=dtype)
+        # Assignments sorted by expert (stable: token order within an expert); the skip class sorts last and is cut.
+        dest = torch.argsort(flat, stable=True)[:routed]
+        tokens = dest // k if k > 1 else dest
+        xs = _DispatchRows.apply(x, tokens, dest, k).to(dtype)
         use_gmm = self._use_grouped_mm(x, dtype)
-        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32) if use_gmm else None
+        offsets = counts_all[: self.num_experts].cumsum(0).to(torch.int32) if use_gmm else None
         h = _grouped_linear(xs, self.gate_up_proj.to(dtype), counts, offsets, use_gmm)
-        y = _grouped_linear(swiglu(h), self.down_proj.to(dtype), counts, offsets, use_gmm)
-        y = y * weights.reshape(-1)[order, None].to(dtype)
-        if routed == n * k:
-            out = y[torch.argsort(order)]
-        else:
-            out = out.index_copy(0, order, y)
+        y = _grouped_linear(_SwiGLU.apply(h), self.down_proj.to(dtype), counts, offsets, use_gmm)
+        out = _CombineRows.apply(y, weights.reshape(-1).to(dtype), dest)
         return out.view(n, k, -1).sum(1) if k > 1 else out
 
     @torch.no_grad()
