@@ -1,9 +1,8 @@
-"""Small building blocks shared by the decoder: RMSNorm, residual scaling, partial rotary embeddings."""
+"""Small building blocks shared by the decoder: RMSNorm, residual scaling, the input affine, partial RoPE."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -101,8 +100,3 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x_rot = x_rot * cos + rotate_half(x_rot) * sin
     return torch.cat((x_rot, x_pass), dim=-1)
 
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on a packed [..., 2I] tensor whose first half is the gate and second half the up projection."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
