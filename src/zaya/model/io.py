@@ -12,50 +12,21 @@ leaves a half-written checkpoint where a good one was.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from zaya.config import ModelConfig, model_config_from_dict, to_dict
+from zaya.fsutil import atomic_directory
 from zaya.model.zaya import ZayaForCausalLM
 
 ZAYA_META = "zaya.json"
 ZAYA_WEIGHTS = "model.safetensors"
 FORMAT_TAG = "zaya-checkpoint"
 FORMAT_VERSION = 1
-
-
-@contextmanager
-def atomic_directory(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory that replaces ``dst`` only if the block finishes without an exception."""
-    dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst} already exists; choose another destination or pass overwrite/--force")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        yield tmp
-        for f in tmp.iterdir():
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if dst.exists():
-            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_safetensors(paths: list[Path]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,102 @@
+"""Crash-safe file writes shared by every module that writes user data (checkpoints, datasets, configs).
+
+The rule everywhere: write under a temporary name in the destination's directory, flush to disk, then rename into
+place, so that a crash mid-write leaves either the old file or the new one, never a torn mix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Flush a directory entry (a rename inside it) to disk; a no-op where the platform cannot."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary sibling and an atomic rename (mode 0666 less the umask)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """``atomic_write_bytes`` for UTF-8 text."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+@contextmanager
+def atomic_directory(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory that replaces ``dst`` only if the block finishes without an exception.
+
+    Files written inside are fsynced before the rename. ``dst`` existing is an error unless ``overwrite``; then the
+    old directory is swapped out (renamed aside) and deleted only after the new one is in place.
+    """
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} already exists; choose another destination or pass overwrite/--force")
+    created: list[Path] = []
+    parent = dst.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result should look like any new directory
+    ok = False
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+        fsync_dir(dst.parent)
+        ok = True
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not ok:
+            for d in created:  # innermost first: remove only the parents this call made, and only if still empty
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
