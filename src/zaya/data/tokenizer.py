@@ -1,0 +1,153 @@
+"""Tokenizers: train a byte-level BPE, or load any Hugging Face ``tokenizer.json``.
+
+We wrap the ``tokenizers`` library rather than re-implementing BPE. The wrapper adds what the data path needs: the
+ids of the three special tokens (pad, bos, eos), a stable content hash (so a dataset and a model can tell whether
+they were made with the same tokenizer), and the smallest integer dtype that holds every id.
+
+A tokenizer we train has a byte-level alphabet (so every UTF-8 string encodes, and decodes back exactly) and its
+special tokens at the first ids::
+
+    0 <|pad|>    1 <|bos|>    2 <|eos|>
+
+A loaded tokenizer keeps its own ids; its special tokens are found by the usual names (``<eos>``, ``</s>``,
+``<|endoftext|>`` ...) unless given explicitly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS)
+VOCAB_MULTIPLE = 64
+
+# Names under which common tokenizers (GPT-2, Llama, Gemma, Mistral, ...) spell their special tokens.
+_CANDIDATES = {
+    "eos": (EOS, "<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>", "[SEP]"),
+    "bos": (BOS, "<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]"),
+    "pad": (PAD, "<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>"),
+}
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be used, or a request it cannot serve."""
+
+
+def round_up(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    pad: int
+    bos: int
+    eos: int
+
+
+class Tokenizer:
+    """A ``tokenizers.Tokenizer`` plus the special ids and content hash the data path relies on."""
+
+    def __init__(self, backend, special: SpecialIds, source: str = "<memory>"):
+        self.backend = backend
+        self.special = special
+        self.source = source
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        # Ids of added tokens can exceed the base vocabulary; the dtype must hold the largest id.
+        self.max_id = max(self.vocab_size - 1, *backend.get_vocab(with_added_tokens=True).values())
+        canonical = json.dumps(json.loads(backend.to_str()), sort_keys=True, separators=(",", ":"))
+        self.sha256 = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+    # --- construction ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str | Path, pad: str | None = None, bos: str | None = None,
+                  eos: str | None = None) -> "Tokenizer":
+        """Load a ``tokenizer.json``; special tokens found by name unless given (``eos`` is required)."""
+        from tokenizers import Tokenizer as Backend
+
+        path = Path(path)
+        if not path.is_file():
+            raise TokenizerError(f"{path}: tokenizer file not found (expected a Hugging Face tokenizer.json)")
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as exc:  # the library raises a bare Exception with a serde message
+            raise TokenizerError(f"{path}: not a readable tokenizer.json ({exc})") from exc
+        return cls(backend, _find_special(backend, path, pad=pad, bos=bos, eos=eos), source=str(path))
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
+              show_progress: bool = False) -> "Tokenizer":
+        """Train a byte-level BPE with ``vocab_size`` entries (specials included) on ``texts``.
+
+        ``vocab_size`` must be a multiple of 64 (it becomes the model's embedding size, and GEMMs tile in 64s). A
+        corpus too small to learn that many merges yields fewer; the dataset manifest records the true size.
+        """
+        from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+        if vocab_size % VOCAB_MULTIPLE or vocab_size < 320:
+            raise TokenizerError(f"vocab size {vocab_size}: must be a multiple of {VOCAB_MULTIPLE} and at least 320 "
+                                 f"(256 byte symbols + special tokens + merges); e.g. {max(320, round_up(vocab_size))}")
+        backend = Backend(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=show_progress)
+        backend.train_from_iterator(texts, trainer=trainer)
+        return cls(backend, SpecialIds(pad=0, bos=1, eos=2), source=f"trained byte-level BPE ({vocab_size})")
+
+    # --- use -----------------------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> np.dtype:
+        """uint16 when every id fits, else uint32: half the disk and page cache for vocabularies up to 65,536."""
+        return np.dtype(np.uint16) if self.max_id < 2**16 else np.dtype(np.uint32)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The vocabulary rounded up to a multiple of 64: what a model trained on this tokenizer should use."""
+        return round_up(self.max_id + 1)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special tokens added."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def save(self, path: str | Path) -> None:
+        from zaya.fsutil import atomic_write_text
+
+        atomic_write_text(path, self.backend.to_str(pretty=True))
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.source}, vocab={self.vocab_size}, pad={self.special.pad}, bos={self.special.bos}, "
+                f"eos={self.special.eos})")
+
+
+def _find_special(backend, path: Path, **given: str | None) -> SpecialIds:
+    vocab = backend.get_vocab(with_added_tokens=True)
+    ids: dict[str, int] = {}
+    for role in ("pad", "bos", "eos"):
+        name = given.get(role)
+        if name is not None:
+            if name not in vocab:
+                raise TokenizerError(f"{path}: {role} token {name!r} is not in the vocabulary")
+            ids[role] = vocab[name]
+            continue
+        found = next((vocab[c] for c in _CANDIDATES[role] if c in vocab), None)
+        if found is None and role == "eos":
+            raise TokenizerError(
+                f"{path}: no end-of-document token found (looked for {', '.join(_CANDIDATES['eos'])}); "
+                "name it with --eos-token")
+        ids[role] = found if found is not None else -1
+    # Documents are separated by eos; a missing bos or pad falls back to eos (they are only used as markers).
+    eos = ids["eos"]
+    return SpecialIds(pad=ids["pad"] if ids["pad"] >= 0 else eos, bos=ids["bos"] if ids["bos"] >= 0 else eos, eos=eos)
