@@ -1,4 +1,4 @@
-"""Pieces of the walking-skeleton trainer that need no model: batches, LR schedule, optimizer groups."""
+"""Pieces of the walking-skeleton trainer that need no model: LR schedule, optimizer groups."""
 
 import math
 
@@ -6,24 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from zaya.train.skeleton import build_optimizer, lr_at, random_batch
-
-
-def test_random_batch_targets_are_next_tokens():
-    data = torch.arange(200, dtype=torch.uint8)
-    g = torch.Generator().manual_seed(0)
-    x, y = random_batch(data, 5, 16, g)
-    assert x.shape == y.shape == (5, 16)
-    assert x.dtype == y.dtype == torch.long
-    assert torch.equal(y[:, :-1], x[:, 1:])
-    assert torch.equal(y[:, -1], x[:, -1] + 1)  # contiguous windows of arange
-    g2 = torch.Generator().manual_seed(0)
-    assert torch.equal(random_batch(data, 5, 16, g2)[0], x)  # seeded -> reproducible
-
-
-def test_random_batch_rejects_windows_longer_than_data():
-    with pytest.raises(ValueError, match="seq_len"):
-        random_batch(torch.zeros(10, dtype=torch.uint8), 2, 10, torch.Generator())
+from zaya.train.skeleton import build_optimizer, lr_at
 
 
 def test_lr_schedule_warmup_then_cosine_to_a_tenth():

@@ -144,7 +144,7 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    """The walking-skeleton trainer (AdamW on byte tokens of the built-in corpus). Replaced by the full trainer."""
+    """The walking-skeleton trainer (AdamW on the prepared datasets of [data]). Replaced by the full trainer."""
 
     steps: int = 300
     """Optimizer steps."""
@@ -168,6 +168,8 @@ class TrainConfig:
     """Print the loss every this many steps."""
     sample_tokens: int = 200
     """Tokens to generate after training."""
+    sample_prompt: str = "ROMEO:\n"
+    """Prompt of the sample generated after training."""
     out_dir: str = "runs/tiny"
     """Where the final checkpoint is written."""
 
@@ -180,10 +182,52 @@ class TrainConfig:
 
 
 @dataclass
+class DataConfig:
+    """Where the training tokens come from: prepared datasets (``zaya data prepare``) and how to read them."""
+
+    datasets: dict[str, str] = field(default_factory=lambda: {"shakespeare": "builtin:shakespeare"})
+    """Name -> prepared dataset directory, or "builtin:shakespeare" (prepared on first use and cached)."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Mixture weights by dataset name (empty: equal weights)."""
+    seed: int = 0
+    """Seed of the shuffle (a keyed permutation per dataset and epoch)."""
+    document_positions: bool = False
+    """Give the model position ids that restart at every document start."""
+    prefetch: int = 4
+    """Batches computed ahead by the loader's background thread (0: none)."""
+    val_batches: int = 8
+    """Validation batches (per rank) at each evaluation."""
+    builtin_vocab_size: int = 4096
+    """Vocabulary of the BPE trained for a builtin corpus (a multiple of 64)."""
+    cache_dir: str = ""
+    """Where builtin corpora are prepared ("" = $ZAYA_CACHE_DIR, else ~/.cache/zaya)."""
+
+    def __post_init__(self) -> None:
+        if not self.datasets:
+            raise ConfigError("data.datasets is empty: name at least one prepared dataset directory")
+        unknown = sorted(set(self.weights) - set(self.datasets))
+        if unknown:
+            raise ConfigError(f"data.weights names {unknown}, which are not in data.datasets "
+                              f"({', '.join(sorted(self.datasets))})")
+        if any(w < 0 for w in self.weights.values()) or (self.weights and sum(self.weights.values()) <= 0):
+            raise ConfigError(f"data.weights = {self.weights}: weights must be >= 0 with a positive sum")
+        if self.builtin_vocab_size % 64 or self.builtin_vocab_size < 320:
+            raise ConfigError(f"data.builtin_vocab_size = {self.builtin_vocab_size}: must be a multiple of 64, "
+                              ">= 320")
+        if self.prefetch < 0 or self.val_batches < 1:
+            raise ConfigError("data.prefetch must be >= 0 and data.val_batches >= 1")
+
+    def mixture(self) -> dict[str, float]:
+        """The mixture weights with the default (equal) applied."""
+        return dict(self.weights) if self.weights else {name: 1.0 for name in self.datasets}
+
+
+@dataclass
 class Config:
-    """A whole run: model shape plus training settings."""
+    """A whole run: model shape, data and training settings."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -216,6 +260,11 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
             raise ConfigError(f"{where} = {value!r}: expected {hint.__name__}")
         return value
+    if getattr(hint, "__origin__", None) is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} = {value!r}: expected a table")
+        _, value_hint = hint.__args__
+        return {str(k): _check_type(v, value_hint, f"{where}.{k}") for k, v in value.items()}
     if getattr(hint, "__origin__", None) is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} = {value!r}: expected a list")
@@ -230,8 +279,9 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
         if key not in tables:
             raise ConfigError(f"{source}: unknown table [{key}].{_nearest(key, list(tables))}")
     model = _build(ModelConfig, data.get("model", {}), f"{source} [model]")
+    data_config = _build(DataConfig, data.get("data", {}), f"{source} [data]")
     train = _build(TrainConfig, data.get("train", {}), f"{source} [train]")
-    return Config(model=model, train=train)
+    return Config(model=model, data=data_config, train=train)
 
 
 def load_config(path: str | Path) -> Config:

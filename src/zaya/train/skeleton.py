@@ -1,8 +1,8 @@
-"""The walking-skeleton trainer: a ZAYA1-style MoE byte model on the built-in Shakespeare corpus, on CPU.
+"""The walking-skeleton trainer: a ZAYA1-style MoE on prepared token bundles (the built-in corpus by default), CPU.
 
-One file, one loop, no distributed code: it proves the model learns and exercises the whole path (config ->
-model -> loss -> AdamW -> balancing biases -> checkpoint -> sampling). The full trainer (Muon, bundles, DDP/FSDP,
-resumable checkpoints) replaces it.
+One file, one loop, no distributed code: it proves the model learns and exercises the whole path (config -> data
+(tokenizer, bundles, packed loader) -> model -> loss -> AdamW -> balancing biases -> checkpoint -> sampling). The
+full trainer (Muon, DDP/FSDP, resumable checkpoints, stages) replaces it.
 """
 
 from __future__ import annotations
@@ -19,12 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from zaya.config import Config, ConfigError
-from zaya.data.corpus import ByteTokenizer, load_corpus_text
+from zaya.config import Config, DataConfig
 
-VAL_FRACTION = 0.05
-VAL_BATCHES = 8
-SAMPLE_PROMPT = "**ROMEO**  \n"
 METRICS_FILE = "metrics.json"
 CHECKPOINT_SUBDIR = "model"
 
@@ -33,23 +29,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def byte_corpus() -> tuple[torch.Tensor, torch.Tensor]:
-    """The corpus as byte tokens (uint8), split into train and the held-out last 5% for validation."""
-    data = torch.frombuffer(bytearray(load_corpus_text().encode("utf-8")), dtype=torch.uint8)
-    split = int(len(data) * (1 - VAL_FRACTION))
-    return data[:split], data[split:]
-
-
-def random_batch(data: torch.Tensor, batch_size: int, seq_len: int,
-                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch_size`` random contiguous windows of ``seq_len + 1`` tokens -> (inputs, next-token targets)."""
-    if len(data) < seq_len + 1:
-        raise ConfigError(f"train.seq_len = {seq_len}: longer than the data split ({len(data)} tokens)")
-    starts = torch.randint(0, len(data) - seq_len, (batch_size,), generator=generator)
-    windows = data[starts[:, None] + torch.arange(seq_len + 1)].long()
-    return windows[:, :-1], windows[:, 1:]
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -95,41 +74,53 @@ def _check_checkpoint_dir(path: Path) -> None:
         raise FileExistsError(f"{path} exists and is not a zaya checkpoint; choose another --out")
 
 
+def open_datasets(dc: DataConfig, log=print) -> dict:
+    """``data.datasets`` as opened PreparedDatasets (built-in corpora prepared on first use)."""
+    from zaya.data.bundle import PreparedDataset
+    from zaya.data.cache import resolve_dataset
+
+    return {name: PreparedDataset(resolve_dataset(spec, dc.builtin_vocab_size, dc.cache_dir, log=log))
+            for name, spec in dc.datasets.items()}
+
+
 def train(config: Config) -> dict[str, Any]:
-    """Train ``config.model`` on byte tokens per ``config.train``; return the metrics.
+    """Train ``config.model`` on ``config.data`` per ``config.train``; return the metrics.
 
     Writes ``<train.out_dir>/model/`` (a zaya checkpoint: ``zaya.load_pretrained`` reads it) and
     ``<train.out_dir>/metrics.json``.
 
     The returned (and saved) metrics: ``first_loss`` (step 1), ``final_loss`` (mean of the last 10 steps' losses),
-    ``val_loss`` (held-out last 5% of the corpus), ``steps``, ``tokens_per_s`` (training only), the sample text.
+    ``val_loss`` (the datasets' validation splits), ``steps``, ``tokens_per_s`` (training only), the sample text.
     """
     from zaya.config import dump_config
     from zaya.model import ZayaForCausalLM, save_checkpoint, update_balancing_biases
 
-    tc, mc = config.train, config.model
-    tokenizer = ByteTokenizer()
-    if mc.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model.vocab_size = {mc.vocab_size}: the walking-skeleton trainer uses byte tokens, "
-                          f"so model.vocab_size must be >= {tokenizer.vocab_size}")
+    from zaya.data.loader import DataLoader, Stage, check_vocabulary, validation_batches
+
+    tc, mc, dc = config.train, config.model, config.data
     out_dir = Path(tc.out_dir)
     checkpoint_dir = out_dir / CHECKPOINT_SUBDIR
     _check_checkpoint_dir(checkpoint_dir)
     console = _console()
 
+    datasets = open_datasets(dc, log=lambda m: _say(console, m))
+    for dataset in datasets.values():
+        check_vocabulary(dataset, mc.vocab_size, mc.eos_token_id)
+    tokenizer = next(iter(datasets.values())).tokenizer()
+    loader = DataLoader(datasets, [Stage("main", tc.seq_len, tc.batch_size, dc.mixture())], seed=dc.seed,
+                        document_positions=dc.document_positions, prefetch=dc.prefetch)
+
     seed_everything(tc.seed)
-    train_data, val_data = byte_corpus()
     model = ZayaForCausalLM(mc)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, tc.lr, tc.weight_decay)
     def autocast():
         return torch.autocast("cpu", dtype=torch.bfloat16) if tc.dtype == "bfloat16" else nullcontext()
 
-    generator = torch.Generator().manual_seed(tc.seed)
     tokens_per_step = tc.batch_size * tc.seq_len
-
-    _say(console, f"zaya skeleton: {n_params:,} parameters, {len(train_data):,} train / {len(val_data):,} val "
-                  f"bytes, {tc.steps} steps x {tokens_per_step:,} tokens, dtype {tc.dtype}, "
+    train_tokens = sum(d.split("train").num_tokens for d in datasets.values())
+    _say(console, f"zaya skeleton: {n_params:,} parameters, {train_tokens:,} train tokens "
+                  f"({', '.join(datasets)}), {tc.steps} steps x {tokens_per_step:,} tokens, dtype {tc.dtype}, "
                   f"{torch.get_num_threads()} threads", style="bold")
 
     losses: list[float] = []
@@ -140,9 +131,9 @@ def train(config: Config) -> dict[str, Any]:
         lr = lr_at(step, tc.lr, tc.warmup_steps, tc.steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = random_batch(train_data, tc.batch_size, tc.seq_len, generator)
+        batch = next(loader)
         with autocast():
-            out = model(inputs, labels=targets)
+            out = model(batch.input_ids, labels=batch.labels, position_ids=batch.position_ids)
         out.loss.backward()
         if tc.grad_clip > 0:
             grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
@@ -165,21 +156,23 @@ def train(config: Config) -> dict[str, Any]:
             _say(console, f"step {done:>5}/{tc.steps}  loss {loss:.4f}  lr {lr:.2e}  grad {grad_norm:.2f}  "
                           f"imbalance {float(imbalance.max()):.2f}  {tok_s:,.0f} tok/s")
     elapsed = time.perf_counter() - start
+    loader.close()
 
     model.eval()
-    val_generator = torch.Generator().manual_seed(tc.seed + 1)
     val_losses = []
     with torch.no_grad(), autocast():
-        for _ in range(VAL_BATCHES):
-            inputs, targets = random_batch(val_data, tc.batch_size, tc.seq_len, val_generator)
-            val_losses.append(model(inputs, labels=targets).loss.item())
+        for dataset in datasets.values():
+            for inputs, targets in validation_batches(dataset, tc.seq_len, tc.batch_size,
+                                                      max_batches=dc.val_batches):
+                val_losses.append(model(inputs, labels=targets).loss.item())
     val_loss = sum(val_losses) / len(val_losses)
 
-    prompt = torch.tensor([tokenizer.encode(SAMPLE_PROMPT)])
+    # Documents follow an eos in the packed stream, so a prompt that starts a document starts after one.
+    prompt = torch.tensor([[mc.eos_token_id] + tokenizer.encode(tc.sample_prompt)])
     with autocast():
         generated = model.generate(prompt, max_new_tokens=tc.sample_tokens, temperature=0.8, top_k=40,
                                    seed=tc.seed)
-    sample = tokenizer.decode(generated[0].tolist())
+    sample = tokenizer.decode(generated[0, 1:].tolist())
 
     tail = losses[-min(10, len(losses)):]
     metrics = {
