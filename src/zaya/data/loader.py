@@ -119,9 +119,11 @@ class SequenceSource:
             out[row] = bundle.tokens[start:start + L + 1]
             if positions is not None:
                 # Last document start at or before each input token -> the token's position within its document.
+                # uint64 keys: a Python int against the uint64 index would promote both to float64, converting
+                # the whole index on every call (O(documents in the bundle) per row).
                 idx = bundle.index
-                lo = int(np.searchsorted(idx, start, side="right")) - 1
-                hi = int(np.searchsorted(idx, start + L, side="left"))
+                lo = int(np.searchsorted(idx, np.uint64(start), side="right")) - 1
+                hi = int(np.searchsorted(idx, np.uint64(start + L), side="left"))
                 doc_starts = np.asarray(idx[lo:hi], dtype=np.int64) - start
                 marks = np.zeros(L, dtype=np.int64)
                 inside = doc_starts[doc_starts > 0]

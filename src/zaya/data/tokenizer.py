@@ -55,6 +55,9 @@ class Tokenizer:
 
     def __init__(self, backend, special: SpecialIds, source: str = "<memory>"):
         self.backend = backend
+        # Text that happens to spell a special token ("<|eos|>" in a document about tokenizers) is encoded as
+        # ordinary text: only the data pipeline itself places eos ids, at document boundaries.
+        backend.encode_special_tokens = True
         self.special = special
         self.source = source
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
