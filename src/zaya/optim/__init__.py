@@ -1,0 +1,5 @@
+"""Optimizers."""
+
+from zaya.optim.muon import Muon, zeropower_via_newtonschulz
+
+__all__ = ["Muon", "zeropower_via_newtonschulz"]
