@@ -21,3 +21,53 @@ def shakespeare_dataset(tmp_path_factory):
     prepare(PrepareOptions(inputs=["builtin:shakespeare"], out=str(out), vocab_size=512, val_fraction=0.05,
                            tokenizer_sample_mb=2.0), log=lambda m: None)
     return out
+
+
+MICRO_CONFIG = """
+[model]
+vocab_size = 512
+eos_token_id = 2
+hidden_size = 64
+num_layers = 2
+num_query_heads = 2
+num_kv_heads = 2
+head_dim = 32
+num_experts = 4
+expert_hidden_size = 128
+router_hidden_size = 32
+max_seq_len = 64
+
+[data]
+datasets = {{ shakespeare = "{dataset}" }}
+prefetch = 2
+val_batches = 2
+
+[optim]
+lr = 3e-3
+min_lr = 3e-4
+warmup_steps = 2
+
+[train]
+max_steps = 6
+micro_batch_size = 4
+seq_len = 32
+log_every = 2
+eval_every = 3
+checkpoint_every = 3
+sample_tokens = 8
+peak_flops = 1e11
+run_dir = "{run_dir}"
+"""
+
+
+@pytest.fixture
+def micro_config(tmp_path, shakespeare_dataset):
+    """Write a micro training config (2 layers, d=64, 6 steps of 4 x 32 tokens); extra TOML is appended."""
+
+    def write(run_dir=None, extra: str = "", name: str = "micro.toml"):
+        path = tmp_path / name
+        run_dir = run_dir or tmp_path / "run"
+        path.write_text(MICRO_CONFIG.format(dataset=shakespeare_dataset, run_dir=run_dir) + extra)
+        return path
+
+    return write

@@ -11,33 +11,6 @@ from zaya.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MICRO = """
-[model]
-vocab_size = 512
-eos_token_id = 2
-hidden_size = 64
-num_layers = 2
-num_query_heads = 2
-num_kv_heads = 2
-head_dim = 32
-num_experts = 4
-expert_hidden_size = 128
-router_hidden_size = 32
-max_seq_len = 64
-
-[data]
-datasets = { shakespeare = "DATASET" }
-
-[train]
-steps = 30
-batch_size = 4
-seq_len = 32
-warmup_steps = 5
-log_every = 10
-sample_tokens = 20
-"""
-
-
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
@@ -57,21 +30,16 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
     assert "nope.toml" in capsys.readouterr().err
 
 
-@pytest.fixture
-def micro(shakespeare_dataset):
-    return MICRO.replace("DATASET", str(shakespeare_dataset))
-
-
-def test_trainer_refuses_a_model_vocab_that_does_not_match_the_data(tmp_path, capsys, micro):
-    cfg = write(tmp_path / "small_vocab.toml", micro.replace("vocab_size = 512", "vocab_size = 384"))
-    assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "run")]) == 2
+def test_trainer_refuses_a_model_vocab_that_does_not_match_the_data(tmp_path, capsys, micro_config):
+    cfg = micro_config()
+    assert main(["train", "--config", str(cfg), "--set", "model.vocab_size=384"]) == 2
     err = capsys.readouterr().err
     assert "model.vocab_size" in err and "512" in err and "384" in err
 
 
-def test_trainer_refuses_a_missing_dataset(tmp_path, capsys, micro):
-    cfg = write(tmp_path / "nodata.toml", micro.replace(str(Path(micro.split('"')[1])), str(tmp_path / "nope")))
-    assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "run")]) == 2
+def test_trainer_refuses_a_missing_dataset(tmp_path, capsys, micro_config):
+    cfg = micro_config()
+    assert main(["train", "--config", str(cfg), "--set", f'data.datasets.shakespeare="{tmp_path / "nope"}"']) == 2
     err = capsys.readouterr().err
     assert "nope" in err and "zaya data prepare" in err
 
@@ -93,39 +61,56 @@ def test_info_zaya1_base_json():
     assert info["params_embedding"] == 537_133_056
 
 
-def test_train_end_to_end_micro(tmp_path, capsys, micro):
-    cfg = write(tmp_path / "micro.toml", micro)
-    out_dir = tmp_path / "run"
-    assert main(["train", "--config", str(cfg), "--steps", "30", "--out", str(out_dir)]) == 0
+def test_train_end_to_end_micro(tmp_path, capsys, micro_config):
+    run = tmp_path / "run"
+    cfg = micro_config(run)
+    assert main(["train", "--config", str(cfg)]) == 0
     printed = capsys.readouterr().out
-    assert "step    30/30" in printed and "ROMEO:" in printed
-    metrics = json.loads((out_dir / "metrics.json").read_text())
-    assert metrics["steps"] == 30
-    assert metrics["final_loss"] < metrics["first_loss"] - 0.5  # 30 steps: ln(512)=6.24 down past 5.74
-    assert metrics["val_loss"] < metrics["first_loss"]
-    assert metrics["tokens_per_s"] > 0
+    assert "step      6/6" in printed and "ROMEO:" in printed and "validation loss" in printed
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "mfu", "expert_load",
+                "expert_load_max_over_mean", "skip_fraction", "stage", "seq_len", "global_batch_tokens"):
+        assert key in train[-1], key
+    assert train[-1]["tokens"] == 6 * 4 * 32
+    assert len(train[-1]["expert_load"]) == 2 and len(train[-1]["expert_load"][0]) == 5  # 4 experts + skip
+    assert [r["step"] for r in records if r["kind"] == "val"] == [0, 3, 6]
     from zaya.config import load_config
 
-    assert load_config(out_dir / "config.toml").train.steps == 30  # the run records what it used
-    checkpoint = out_dir / "model"
-    assert metrics["checkpoint"] == str(checkpoint)
-    assert (checkpoint / "zaya.json").is_file() and (checkpoint / "model.safetensors").is_file()
+    assert load_config(run / "config.toml").train.max_steps == 6  # the run records what it used
+    steps = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert steps == ["step-00000003", "step-00000006"]
+    assert (run / "checkpoints" / "step-00000006" / "COMMIT").is_file()
+    assert {p.name for p in (run / "plots").iterdir()} >= {"loss.png", "lr.png", "throughput.png",
+                                                              "expert_load.png"}
 
-    import zaya
-
-    model = zaya.load_pretrained(checkpoint)
-    assert model.config.hidden_size == 64
-
-    # a second run into the same directory replaces the previous run
-    assert main(["train", "--config", str(cfg), "--steps", "1", "--out", str(out_dir)]) == 0
-    assert json.loads((out_dir / "metrics.json").read_text())["steps"] == 1
+    # generate and eval accept the run directory, a checkpoint directory
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "JULIET:", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("JULIET:")
+    assert main(["eval", "--checkpoint", str(run / "checkpoints" / "step-00000003"), "--data",
+                 str(Path(str(cfg)).parent), "--json"]) == 2  # not a dataset
+    capsys.readouterr()
 
 
-def test_train_refuses_to_replace_an_unrelated_directory(tmp_path, capsys, micro):
-    cfg = write(tmp_path / "micro.toml", micro)
-    other = tmp_path / "precious" / "model"
-    other.mkdir(parents=True)
+def test_train_refuses_a_run_dir_of_another_config_and_never_moves_it_aside(tmp_path, capsys, micro_config):
+    run = tmp_path / "run"
+    cfg = micro_config(run)
+    assert main(["train", "--config", str(cfg), "--max-steps", "1", "--set", "optim.schedule_steps=6"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--config", str(cfg), "--set", "optim.lr=1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lr" in err and "--resume never" in err
+    assert main(["train", "--config", str(cfg), "--max-steps", "1", "--set", "optim.lr=1e-3",
+                 "--resume", "never"]) == 0
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(moved) == 1 and (moved[0] / "checkpoints" / "step-00000001" / "COMMIT").is_file()
+
+
+def test_train_refuses_an_unrelated_directory(tmp_path, capsys, micro_config):
+    other = tmp_path / "precious"
+    other.mkdir()
     (other / "notes.txt").write_text("keep me")
-    assert main(["train", "--config", str(cfg), "--steps", "1", "--out", str(other.parent)]) == 2
+    assert main(["train", "--config", str(micro_config(other)), "--max-steps", "1"]) == 2
     assert "precious" in capsys.readouterr().err
     assert (other / "notes.txt").read_text() == "keep me"

@@ -18,19 +18,17 @@ from typing import Any, Sequence
 def _cmd_train(args: argparse.Namespace) -> int:
     from zaya.config import load_config
 
-    config = load_config(args.config)
-    overrides: dict[str, Any] = {}
-    if args.steps is not None:
-        overrides["steps"] = args.steps
-    if args.out is not None:
-        overrides["out_dir"] = args.out
-    if overrides:
-        config = dataclasses.replace(config, train=dataclasses.replace(config.train, **overrides))
+    overrides = list(args.set or [])
+    if args.run_dir is not None:
+        overrides.append(f"train.run_dir={json.dumps(args.run_dir)}")
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    config = load_config(args.config, overrides)
 
-    from zaya.train.skeleton import train
+    from zaya.train.trainer import train
 
-    train(config)
-    return 0
+    summary = train(config, resume=args.resume)
+    return 0 if summary is not None else 1
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -80,6 +78,69 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     dst = convert(args.src, args.dst, to=args.to, dtype=args.dtype, overwrite=args.force)
     print(f"wrote {dst}")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from zaya.train.plot import plot_run
+
+    for path in plot_run(args.run_dir, out_dir=args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def _load_model_and_tokenizer(args: argparse.Namespace):
+    from zaya.checkpoint.consolidate import describe, load_for_inference
+    from zaya.data.tokenizer import Tokenizer
+
+    model, tokenizer_path, directory = load_for_inference(args.checkpoint)
+    tokenizer_path = args.tokenizer or tokenizer_path
+    if tokenizer_path is None:
+        raise FileNotFoundError(f"{directory}: no tokenizer.json beside this checkpoint; pass --tokenizer FILE")
+    return model, Tokenizer.from_file(tokenizer_path), describe(directory)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    model, tokenizer, where = _load_model_and_tokenizer(args)
+    eos = model.config.eos_token_id
+    prompt_ids = ([eos] if args.document_start else []) + tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise ValueError("--prompt is empty and --no-document-start was given: nothing to condition on")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bfloat16" else None
+    with torch.no_grad(), (autocast or torch.autocast("cpu", enabled=False)):
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                             seed=args.seed, eos_token_id=None if args.ignore_eos else eos)
+    text = tokenizer.decode(out[0, 1 if args.document_start else 0:].tolist(), skip_special_tokens=True)
+    print(f"# {where}", file=sys.stderr)
+    print(text)
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from zaya.data.bundle import PreparedDataset
+    from zaya.data.loader import check_vocabulary
+    from zaya.eval.perplexity import evaluate_loss
+
+    model, _, where = _load_model_and_tokenizer(args) if args.tokenizer else (None, None, None)
+    if model is None:
+        from zaya.checkpoint.consolidate import describe, load_for_inference
+
+        model, _, directory = load_for_inference(args.checkpoint)
+        where = describe(directory)
+    dataset = PreparedDataset(args.data)
+    check_vocabulary(dataset, model.config.vocab_size, model.config.eos_token_id)
+    result = evaluate_loss(model, dataset, seq_len=args.seq_len, batch_size=args.batch_size,
+                           max_batches=args.max_batches, split=args.split, dtype=args.dtype)
+    result = {"checkpoint": where, "data": str(args.data), **result}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{where} on {args.data} [{args.split}]: loss {result['loss']:.4f}, perplexity "
+              f"{result['perplexity']:.3f} over {result['tokens']:,} tokens ({result['batches']} batches of "
+              f"{args.batch_size} x {args.seq_len})")
     return 0
 
 
@@ -136,10 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zaya", description="Train and run ZAYA1-style Mixture-of-Experts models.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    p = verbs.add_parser("train", help="train a model (walking skeleton: byte tokens, built-in corpus, CPU)")
+    p = verbs.add_parser("train", help="train a model (one process, or under torchrun for many)",
+                         description="Train per a TOML config. Under `torchrun --nproc-per-node N -m zaya train ...` "
+                                     "every rank runs this command.")
     p.add_argument("--config", required=True, metavar="PATH", help="TOML config, e.g. configs/tiny.toml")
-    p.add_argument("--steps", type=int, metavar="N", help="override train.steps")
-    p.add_argument("--out", metavar="DIR", help="override train.out_dir (gets model/, the checkpoint, and metrics.json)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config value (TOML syntax), e.g. --set optim.lr=1e-3; repeatable")
+    p.add_argument("--run-dir", metavar="DIR", help="override train.run_dir")
+    p.add_argument("--max-steps", type=int, metavar="N", help="override train.max_steps")
+    p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
+                   help="auto: continue from the newest complete checkpoint in the run dir (default); never: "
+                        "start fresh (an existing run dir is moved aside); PATH: a checkpoint or run directory")
     p.set_defaults(func=_cmd_train)
 
     p = verbs.add_parser("info", help="parameter counts and FLOPs of a config's model")
@@ -155,6 +223,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight dtype to write (default: keep the source's)")
     p.add_argument("--force", action="store_true", help="replace --dst if it exists")
     p.set_defaults(func=_cmd_convert)
+
+    p = verbs.add_parser("plot", help="plot a run's metrics.jsonl: loss, lr, throughput and expert load PNGs")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a training run's directory (holds metrics.jsonl)")
+    p.add_argument("--out", metavar="DIR", help="directory for the PNGs (default: RUN_DIR/plots)")
+    p.set_defaults(func=_cmd_plot)
+
+    p = verbs.add_parser("generate", help="sample text from a run, checkpoint or Hugging Face directory")
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="a run directory (its newest checkpoint), a checkpoint directory, or a HF zaya directory")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40, metavar="K", help="0 disables")
+    p.add_argument("--top-p", type=float, default=None, metavar="P")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: the one beside the checkpoint)")
+    p.add_argument("--no-document-start", dest="document_start", action="store_false",
+                   help="do not put an eos before the prompt (by default the prompt starts a new document)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past an end of document")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.set_defaults(func=_cmd_generate)
+
+    p = verbs.add_parser("eval", help="validation loss and perplexity of a checkpoint on a prepared dataset")
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="as for generate")
+    p.add_argument("--data", required=True, metavar="DIR", help="a dataset written by `zaya data prepare`")
+    p.add_argument("--split", default="val", help="split to evaluate (default val)")
+    p.add_argument("--seq-len", type=int, default=512, metavar="N")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N")
+    p.add_argument("--max-batches", type=int, default=None, metavar="N", help="default: the whole split")
+    p.add_argument("--tokenizer", metavar="FILE", help="unused by eval except to check it loads")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.set_defaults(func=_cmd_eval)
 
     p = verbs.add_parser("data", help="prepare and inspect tokenized datasets")
     data = p.add_subparsers(dest="data_verb", required=True, metavar="DATA_VERB")
@@ -204,6 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(err) if not isinstance(err, OSError) or err.filename is None else _os_message(err)
         print(f"zaya: error: {message}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        if getattr(err, "exit_code", None) is None or os.environ.get("ZAYA_DEBUG"):
+            raise
+        print(f"zaya: error: {err}", file=sys.stderr)
+        return err.exit_code
     except KeyboardInterrupt:
         print("zaya: interrupted", file=sys.stderr)
         return 130

@@ -143,42 +143,147 @@ class ModelConfig:
 
 
 @dataclass
-class TrainConfig:
-    """The walking-skeleton trainer (AdamW on the prepared datasets of [data]). Replaced by the full trainer."""
+class OptimConfig:
+    """Muon for hidden matrices (2-D and stacked expert weights), AdamW for everything else, and the LR schedule."""
 
-    steps: int = 300
-    """Optimizer steps."""
-    batch_size: int = 16
-    """Sequences per step."""
-    seq_len: int = 128
-    """Tokens per sequence."""
-    lr: float = 3e-3
-    """Peak learning rate (linear warmup, cosine decay to lr/10)."""
-    warmup_steps: int = 30
-    """Linear warmup steps."""
+    lr: float = 6e-4
+    """Peak learning rate of the AdamW groups (ZAYA1: 6e-4), and of Muon unless muon_lr is set."""
+    min_lr: float = 2e-4
+    """Learning rate at the end of the decay (ZAYA1's cosine: 6e-4 -> 2e-4)."""
+    schedule: str = "cosine"
+    """"cosine" (warmup, then cosine to min_lr at max_steps), "wsd" (warmup-stable-decay) or "constant"."""
+    warmup_steps: int = 100
+    """Linear warmup from lr/warmup_steps to lr."""
+    decay_fraction: float = 0.2
+    """wsd: share of the schedule's steps spent in the final linear decay to min_lr."""
+    schedule_steps: int = 0
+    """Length of the LR schedule in steps; 0 = train.max_steps. Set it to stop early (--max-steps) and resume
+    later on the same schedule."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
     weight_decay: float = 0.1
-    """AdamW weight decay on matrices (norms, biases, scales and embeddings get none)."""
+    """Decoupled weight decay on matrices (AdamW's and Muon's); norms, biases, scales, embeddings get none."""
+    muon: bool = True
+    """Use Muon for the hidden matrices; false puts every parameter in AdamW."""
+    muon_lr: float = 0.0
+    """Muon's peak learning rate; 0 = lr (with muon_adjust_lr = "match_rms_adamw" the update RMS matches AdamW's)."""
+    muon_momentum: float = 0.95
+    """Muon momentum."""
+    muon_nesterov: bool = True
+    """Nesterov momentum in Muon."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations (ZAYA1: 5)."""
+    muon_ns_dtype: str = "bfloat16"
+    """Dtype of Muon's Newton-Schulz iteration: "bfloat16" (fast; the usual choice) or "float32"."""
+    muon_adjust_lr: str = "match_rms_adamw"
+    """Muon's per-matrix LR scaling: "match_rms_adamw" (0.2 sqrt(max(m, n))) or "original" (sqrt(max(1, m/n)))."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 disables)."""
-    dtype: str = "bfloat16"
-    """Autocast compute dtype on CPU: "bfloat16" or "float32"."""
-    seed: int = 0
-    """Seed for weights, batches and sampling."""
-    log_every: int = 25
-    """Print the loss every this many steps."""
-    sample_tokens: int = 200
-    """Tokens to generate after training."""
-    sample_prompt: str = "ROMEO:\n"
-    """Prompt of the sample generated after training."""
-    out_dir: str = "runs/tiny"
-    """Where the final checkpoint is written."""
 
     def __post_init__(self) -> None:
-        for key in ("steps", "batch_size", "seq_len", "log_every"):
+        if self.schedule not in ("cosine", "wsd", "constant"):
+            raise ConfigError(f'optim.schedule = {self.schedule!r}: must be "cosine", "wsd" or "constant"')
+        if self.muon_ns_dtype not in ("bfloat16", "float32"):
+            raise ConfigError(f'optim.muon_ns_dtype = {self.muon_ns_dtype!r}: "bfloat16" or "float32"')
+        if self.muon_adjust_lr not in ("match_rms_adamw", "original"):
+            raise ConfigError(f'optim.muon_adjust_lr = {self.muon_adjust_lr!r}: "match_rms_adamw" or "original"')
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"optim.lr = {self.lr}, optim.min_lr = {self.min_lr}: need 0 <= min_lr <= lr, lr > 0")
+        if self.warmup_steps < 0 or self.schedule_steps < 0 or not 0 <= self.decay_fraction <= 1:
+            raise ConfigError("optim.warmup_steps and optim.schedule_steps must be >= 0, optim.decay_fraction in "
+                              "[0, 1]")
+
+
+@dataclass
+class TrainConfig:
+    """The training run: batch geometry, parallelism, precision, checkpoints, logging."""
+
+    max_steps: int = 300
+    """Optimizer steps; the run ends with a final checkpoint."""
+    micro_batch_size: int = 16
+    """Sequences per rank per forward/backward (stages may override)."""
+    seq_len: int = 128
+    """Tokens per sequence when no [[stages]] are given."""
+    global_batch_tokens: int = 0
+    """Tokens per optimizer step over all ranks; 0 = one micro-batch per rank (no accumulation)."""
+    batch_ramp: list[tuple[int, int]] = field(default_factory=list)
+    """[[tokens_seen, global_batch_tokens], ...]: the global batch from each point on (realised by accumulation)."""
+    parallel: str = "ddp"
+    """Data parallelism across ranks: "ddp", "zero1" (DDP with the optimizer state sharded) or "fsdp" (FSDP2)."""
+    dtype: str = "bfloat16"
+    """Compute dtype under autocast: "bfloat16" or "float32". Master weights and optimizer state stay fp32."""
+    seed: int = 0
+    """Seed for weight init (data order is data.seed)."""
+    log_every: int = 10
+    """Progress line every this many steps (metrics.jsonl gets every step)."""
+    eval_every: int = 100
+    """Validation loss every this many steps (and at the end); 0 = only at the end."""
+    checkpoint_every: int = 100
+    """Checkpoint every this many steps (and at the end, and on SIGTERM/SIGINT); 0 = only those."""
+    keep_checkpoints: int = 3
+    """Newest complete checkpoints kept in <run_dir>/checkpoints."""
+    timeout_s: float = 1800.0
+    """Collective timeout during training (long, so short network stalls don't kill a job)."""
+    startup_timeout_s: float = 300.0
+    """Collective timeout while the process group starts."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for MFU; 0 = measure a bf16 matmul at start-up (CPU) or look it up (GPU)."""
+    on_nan: str = "stop"
+    """Non-finite loss or gradient: "stop" (name the step and the last good checkpoint) or "skip" the batch."""
+    max_skipped_steps: int = 10
+    """With on_nan = "skip": stop after this many consecutive skipped steps."""
+    sample_prompt: str = "ROMEO:\n"
+    """Prompt of the sample generated at the end of the run ("" to skip)."""
+    sample_tokens: int = 200
+    """Tokens of that sample."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <run_dir>/tensorboard (needs the tensorboard package)."""
+    run_dir: str = "runs/tiny"
+    """Where config.toml, metrics.jsonl, checkpoints/, plots/ and logs go."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "micro_batch_size", "seq_len", "log_every", "keep_checkpoints"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} = {getattr(self, key)!r}: must be a positive integer")
+        for key in ("eval_every", "checkpoint_every", "global_batch_tokens"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key} = {getattr(self, key)!r}: must be >= 0")
         if self.dtype not in ("bfloat16", "float32"):
             raise ConfigError(f'train.dtype = {self.dtype!r}: must be "bfloat16" or "float32"')
+        if self.parallel not in ("ddp", "zero1", "fsdp"):
+            raise ConfigError(f'train.parallel = {self.parallel!r}: must be "ddp", "zero1" or "fsdp"')
+        if self.on_nan not in ("stop", "skip"):
+            raise ConfigError(f'train.on_nan = {self.on_nan!r}: must be "stop" or "skip"')
+        points = [t for t, _ in self.batch_ramp]
+        if points != sorted(points) or any(b <= 0 for _, b in self.batch_ramp):
+            raise ConfigError(f"train.batch_ramp = {self.batch_ramp}: tokens_seen must increase and batches be > 0")
+
+
+@dataclass
+class StageConfig:
+    """One phase of training ([[stages]]), as in ZAYA1's 4k web -> 4k code/math -> 32k long-context recipe."""
+
+    name: str = "main"
+    """Shown in logs and metrics."""
+    tokens: int = 0
+    """Global token budget of the stage; 0 = until max_steps (only the last stage)."""
+    seq_len: int = 0
+    """Sequence length; 0 = train.seq_len."""
+    micro_batch_size: int = 0
+    """Sequences per rank per micro-batch; 0 = train.micro_batch_size."""
+    rope_theta: float = 0.0
+    """RoPE base during the stage; 0 = model.rope_theta (ZAYA1 raised it for the 32k phase)."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Mixture weights by data.datasets name; empty = data.weights."""
+
+    def __post_init__(self) -> None:
+        for key in ("tokens", "seq_len", "micro_batch_size"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"stage {self.name!r}: {key} must be >= 0")
+        if self.rope_theta < 0:
+            raise ConfigError(f"stage {self.name!r}: rope_theta must be >= 0")
 
 
 @dataclass
@@ -228,7 +333,24 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    stages: list[StageConfig] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for i, stage in enumerate(self.stages):
+            if stage.tokens == 0 and i != len(self.stages) - 1:
+                raise ConfigError(f"stage {stage.name!r} has tokens = 0 (unlimited) but is not the last stage")
+            unknown = sorted(set(stage.weights) - set(self.data.datasets))
+            if unknown:
+                raise ConfigError(f"stage {stage.name!r}: weights name {unknown}, not in data.datasets "
+                                  f"({', '.join(sorted(self.data.datasets))})")
+            seq_len = stage.seq_len or self.train.seq_len
+            if seq_len > self.model.max_seq_len:
+                raise ConfigError(f"stage {stage.name!r}: seq_len {seq_len} > model.max_seq_len "
+                                  f"{self.model.max_seq_len}")
+        if not self.stages and self.train.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"train.seq_len = {self.train.seq_len} > model.max_seq_len = {self.model.max_seq_len}")
 
 
 def _nearest(key: str, valid: list[str]) -> str:
@@ -266,9 +388,14 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         _, value_hint = hint.__args__
         return {str(k): _check_type(v, value_hint, f"{where}.{k}") for k, v in value.items()}
     if getattr(hint, "__origin__", None) is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(hint.__args__):
+            raise ConfigError(f"{where} = {value!r}: expected a list of {len(hint.__args__)}")
+        return tuple(_check_type(v, h, f"{where}[{i}]") for i, (v, h) in enumerate(zip(value, hint.__args__)))
+    if getattr(hint, "__origin__", None) is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} = {value!r}: expected a list")
-        return tuple(float(v) for v in value)
+        (item,) = hint.__args__
+        return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     return value
 
 
@@ -280,12 +407,58 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
             raise ConfigError(f"{source}: unknown table [{key}].{_nearest(key, list(tables))}")
     model = _build(ModelConfig, data.get("model", {}), f"{source} [model]")
     data_config = _build(DataConfig, data.get("data", {}), f"{source} [data]")
+    optim = _build(OptimConfig, data.get("optim", {}), f"{source} [optim]")
     train = _build(TrainConfig, data.get("train", {}), f"{source} [train]")
-    return Config(model=model, data=data_config, train=train)
+    stages_raw = data.get("stages", [])
+    if not isinstance(stages_raw, list):
+        raise ConfigError(f"{source}: [[stages]] must be an array of tables")
+    stages = [_build(StageConfig, t, f"{source} [[stages]][{i}]") for i, t in enumerate(stages_raw)]
+    try:
+        return Config(model=model, data=data_config, optim=optim, train=train, stages=stages)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
 
 
-def load_config(path: str | Path) -> Config:
-    """Read a TOML config file. Missing tables and keys take their defaults."""
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``--set table.key=value`` overrides to raw config tables; values are TOML (bare words are strings).
+
+    ``train.lr=1e-3``, ``data.datasets.web="data/web"``, ``stages.1.seq_len=32768`` (a stage by index).
+    """
+    data = tomllib.loads(_dump_toml(data)) if data else {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected table.key=value, e.g. --set train.max_steps=100")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()  # a bare word: a string
+        parts = key.strip().split(".")
+        node: Any = data
+        for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"--set {item!r}: {'.'.join(parts[:i])} has {len(node)} entries; "
+                                      f"{part!r} is not an index of one")
+                node = node[int(part)]
+            else:
+                node = node.setdefault(part, {})
+            if not isinstance(node, (dict, list)):
+                raise ConfigError(f"--set {item!r}: {'.'.join(parts[:i + 1])} is a value, not a table")
+        if isinstance(node, list):
+            raise ConfigError(f"--set {item!r}: cannot replace a whole list entry; set one of its keys")
+        node[parts[-1]] = value
+    return data
+
+
+def _dump_toml(data: dict[str, Any]) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(data)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a TOML config file, apply ``--set`` overrides. Missing tables and keys take their defaults."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist (presets live in configs/*.toml)")
@@ -293,7 +466,11 @@ def load_config(path: str | Path) -> Config:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    return config_from_dict(data, str(path))
+    source = str(path)
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source = f"{path} with --set {' '.join(overrides)}"
+    return config_from_dict(data, source)
 
 
 def model_config_from_dict(data: dict[str, Any], source: str = "<dict>") -> ModelConfig:

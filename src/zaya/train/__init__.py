@@ -1,1 +1,1 @@
-"""Training. ``skeleton`` is the walking-skeleton trainer (AdamW on byte tokens of the built-in corpus)."""
+"""Training: the loop (trainer.py), metrics and progress (metrics.py), plots (plot.py)."""

@@ -1,0 +1,1 @@
+"""Training checkpoints: distributed, atomic, verified (see store.py)."""

@@ -1,0 +1,78 @@
+"""Load a model for inference from whatever the user points at: a run directory, one training checkpoint, a zaya
+checkpoint directory, or a Hugging Face ``zaya`` directory. Used by ``zaya generate`` and ``zaya eval``.
+
+A training checkpoint (DCP, possibly written by many ranks) is read whole into one process: DCP reassembles the
+shards, whatever world size or parallel mode wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from zaya.checkpoint.store import CheckpointError, is_complete, latest_checkpoint, read_meta
+
+TOKENIZER = "tokenizer.json"
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
+    """(kind, directory): kind is "training" (a DCP step directory), "zaya" or "hf"."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint or run directory")
+    if (path / "checkpoints").is_dir():
+        newest = latest_checkpoint(path / "checkpoints")
+        if newest is None:
+            raise CheckpointError(f"{path}: the run has no complete checkpoint yet ({path / 'checkpoints'})")
+        return "training", newest
+    if (path / "COMMIT").exists() or (path / ".metadata").exists():
+        if not is_complete(path):
+            raise CheckpointError(f"{path}: incomplete checkpoint (no valid COMMIT marker); not loaded")
+        return "training", path
+    if (path / "zaya.json").is_file():
+        return "zaya", path
+    if (path / "config.json").is_file():
+        return "hf", path
+    raise CheckpointError(f"{path}: not a run directory, training checkpoint, zaya checkpoint or Hugging Face "
+                          "zaya directory")
+
+
+def find_tokenizer(kind: str, directory: Path) -> Path | None:
+    candidates = [directory / TOKENIZER]
+    if kind == "training":
+        candidates.append(directory.parent.parent / TOKENIZER)  # <run>/checkpoints/step-N -> <run>/tokenizer.json
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
+    """(model in eval mode, tokenizer path or None, the resolved directory)."""
+    from zaya.config import model_config_from_dict
+    from zaya.model import ZayaForCausalLM
+
+    kind, directory = resolve_checkpoint(path)
+    if kind == "training":
+        import torch.distributed.checkpoint as dcp
+
+        meta = read_meta(directory)
+        model = ZayaForCausalLM(model_config_from_dict(meta["model_config"], f"{directory}/meta.json"))
+        state = {"model": model.state_dict()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+        model.load_state_dict(state["model"])
+    else:
+        from zaya.model.io import load_pretrained
+
+        model = load_pretrained(directory)
+    return model.to(device).eval(), find_tokenizer(kind, directory), directory
+
+
+def describe(directory: Path) -> str:
+    meta_path = directory / "meta.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        return f"{directory} (step {meta['step']}, {meta['tokens']:,} tokens)"
+    return str(directory)

@@ -1,0 +1,124 @@
+"""Which parameter goes to Muon and which to AdamW, the learning-rate schedule, and the batch-size ramp.
+
+ZAYA1's split: Muon for the hidden weight matrices, the stacked 3-D expert weights included (each expert's matrix
+orthogonalised on its own); AdamW for the embedding (tied to the head), convolutions, norms, biases, residual
+scales and temperatures. The router's bias-balancing state is not a parameter: it has its own update
+(``zaya.model.update_balancing_biases``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zaya.config import ConfigError, OptimConfig
+
+
+@dataclass
+class ParamSplit:
+    muon: list[tuple[str, nn.Parameter]]
+    adamw_decay: list[tuple[str, nn.Parameter]]
+    adamw_no_decay: list[tuple[str, nn.Parameter]]
+
+
+def is_muon_matrix(name: str, param: torch.Tensor, embedding_ids: set[int]) -> bool:
+    """2-D hidden matrices and stacked [E, out, in] expert weights; never embeddings or convolutions."""
+    if id(param) in embedding_ids:
+        return False
+    if param.ndim == 2:
+        return True
+    return param.ndim == 3 and ".experts." in f".{name}"
+
+
+def split_parameters(model: nn.Module, use_muon: bool = True) -> ParamSplit:
+    """Partition trainable parameters (named, in model order) into the three optimizer groups."""
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    split = ParamSplit([], [], [])
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if use_muon and is_muon_matrix(name, p, embedding_ids):
+            split.muon.append((name, p))
+        elif p.ndim >= 2 and id(p) not in embedding_ids:
+            split.adamw_decay.append((name, p))
+        else:
+            split.adamw_no_decay.append((name, p))
+    return split
+
+
+def build_optimizers(params: ParamSplit, cfg: OptimConfig) -> list[torch.optim.Optimizer]:
+    """[Muon, AdamW] (either omitted when it has nothing to do); each group's ``lr`` is its peak."""
+    from zaya.optim.muon import Muon
+
+    optimizers: list[torch.optim.Optimizer] = []
+    if params.muon:
+        muon = Muon([p for _, p in params.muon], lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay,
+                    momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+                    adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=getattr(torch, cfg.muon_ns_dtype))
+        optimizers.append(muon)
+    groups = []
+    if params.adamw_decay:
+        groups.append({"params": [p for _, p in params.adamw_decay], "weight_decay": cfg.weight_decay})
+    if params.adamw_no_decay:
+        groups.append({"params": [p for _, p in params.adamw_no_decay], "weight_decay": 0.0})
+    if groups:
+        optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps))
+    return optimizers
+
+
+def peak_lrs(optimizers: list[torch.optim.Optimizer]) -> list[list[float]]:
+    """Each group's peak lr, taken before a checkpoint load can overwrite ``lr`` with a scheduled value."""
+    return [[group["lr"] for group in opt.param_groups] for opt in optimizers]
+
+
+def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Multiplier of each group's peak lr at optimizer step ``step`` (0-based).
+
+    Warmup: linear from 1/warmup to 1. Then "cosine": half-cosine to min_lr/lr at max_steps; "wsd": flat, then a
+    linear decay to min_lr/lr over the last ``decay_fraction`` of the steps; "constant": 1.
+    """
+    floor = cfg.min_lr / cfg.lr
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "cosine":
+        span = max(1, max_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return floor + 0.5 * (1 - floor) * (1 + math.cos(math.pi * progress))
+    decay_steps = max(1, round(cfg.decay_fraction * max_steps))
+    decay_start = max_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    return 1.0 - (1 - floor) * min(1.0, (step - decay_start + 1) / decay_steps)
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], peaks: list[list[float]], factor: float) -> None:
+    for opt, group_peaks in zip(optimizers, peaks):
+        for group, peak in zip(opt.param_groups, group_peaks):
+            group["lr"] = peak * factor
+
+
+def global_batch_tokens(tokens_seen: int, default: int, ramp: list[tuple[int, int]]) -> int:
+    """The global batch (tokens per optimizer step) once ``tokens_seen`` tokens have been trained on."""
+    batch = default
+    for threshold, tokens in ramp:
+        if tokens_seen >= threshold:
+            batch = tokens
+    return batch
+
+
+def accumulation_steps(batch_tokens: int, micro_batch: int, seq_len: int, world_size: int) -> int:
+    """Micro-batches per rank that make exactly ``batch_tokens`` per step; anything else is a config error."""
+    per_micro = micro_batch * seq_len * world_size
+    if batch_tokens % per_micro:
+        raise ConfigError(
+            f"global batch of {batch_tokens:,} tokens is not a multiple of one micro-step over all ranks "
+            f"(micro_batch_size {micro_batch} x seq_len {seq_len} x {world_size} rank(s) = {per_micro:,} tokens); "
+            f"choose a multiple, e.g. {max(1, round(batch_tokens / per_micro)) * per_micro:,}")
+    return batch_tokens // per_micro

@@ -1,0 +1,180 @@
+"""What a run reports: ``metrics.jsonl`` records, the live progress line, MFU and the device's peak FLOP/s.
+
+``metrics.jsonl`` holds one JSON object per line, appended and flushed as they happen (a crash loses at most the
+line being written; ``zaya plot`` skips a torn last line). Records have ``kind`` "train" (every step) or "val"
+(every ``eval_every`` steps); the fields are listed in docs/training.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16 peak of one device, FLOP/s, by a substring of torch.cuda.get_device_name().
+_GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "MI300X": 1307e12, "MI325X": 1307e12,
+              "MI250X": 383e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 1024,
+                        seconds: float = 0.5) -> float:
+    """FLOP/s of a square ``dtype`` matmul on ``device``, the best of a few timed windows (our 'peak')."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    flops = 2 * size**3
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    torch.mm(a, b)
+    while time.perf_counter() < deadline or best == 0.0:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 4 * flops / (time.perf_counter() - start))
+    return best
+
+
+def device_peak_flops(device: torch.device, configured: float = 0.0) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from): the config's value, a known GPU's datasheet, or a measurement."""
+    if configured > 0:
+        return configured, "train.peak_flops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in _GPU_PEAKS.items():
+            if key in name:
+                return peak, f"{name} datasheet (dense bf16)"
+    return measure_matmul_peak(device), f"measured bf16 matmul on {device.type}"
+
+
+def expert_load_stats(counts: torch.Tensor, num_experts: int) -> dict[str, Any]:
+    """From global per-layer router-class counts [L, classes]: load fractions, max/mean over experts, skip share."""
+    counts = counts.double()
+    totals = counts.sum(dim=1, keepdim=True).clamp_min(1)
+    fractions = counts / totals
+    real = counts[:, :num_experts]
+    mean = real.mean(dim=1).clamp_min(1e-12)
+    skip = fractions[:, num_experts:].sum(dim=1) if counts.shape[1] > num_experts else torch.zeros(len(counts))
+    return {"expert_load": [[round(float(x), 5) for x in row] for row in fractions],
+            "expert_load_max_over_mean": [round(float(x), 4) for x in real.max(dim=1).values / mean],
+            "skip_fraction": [round(float(x), 5) for x in skip]}
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a half-written last line (a crash mid-write) so the next record starts on a line of its own."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as fh:
+        fh.seek(0, 2)
+        size = fh.tell()
+        fh.seek(max(0, size - 1))
+        if fh.read(1) == b"\n":
+            return
+        data_end = size
+        block = 1 << 16
+        while data_end > 0:
+            start = max(0, data_end - block)
+            fh.seek(start)
+            chunk = fh.read(data_end - start)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                fh.truncate(start + cut + 1)
+                return
+            data_end = start
+        fh.truncate(0)
+
+
+class MetricsLog:
+    """Appends records to ``metrics.jsonl`` (rank 0 only) and, optionally, TensorBoard scalars."""
+
+    def __init__(self, path: Path, enabled: bool, tensorboard_dir: Path | None = None):
+        self.path = path
+        self.enabled = enabled
+        if enabled:
+            _drop_torn_line(path)
+        self._fh = open(path, "a", encoding="utf-8") if enabled else None
+        self._tb = None
+        if enabled and tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ImportError("train.tensorboard = true needs the tensorboard package: "
+                                  "pip install tensorboard") from exc
+            self._tb = SummaryWriter(str(tensorboard_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._fh.write(json.dumps(record, allow_nan=True) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "time"):
+                    self._tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+class Progress:
+    """A live line (rich) on a terminal; plain log lines every ``log_every`` steps otherwise."""
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, log_every: int):
+        self.enabled = enabled
+        self.log_every = log_every
+        self.total = total_steps
+        self._bar = None
+        if enabled and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn
+            from rich.progress import TimeRemainingColumn
+
+            self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+            self._task = self._bar.add_task("train", total=total_steps, completed=start_step, info="")
+            self._bar.start()
+
+    def say(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(text, flush=True)
+
+    def step(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        line = format_step(record, self.total)
+        if self._bar is not None:
+            self._bar.update(self._task, completed=record["step"], info=line.split("  ", 1)[1])
+            if record["step"] % self.log_every == 0:
+                self._bar.console.print(line, markup=False, highlight=False)
+        elif record["step"] % self.log_every == 0 or record["step"] in (1, self.total):
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def format_step(r: dict[str, Any], total: int) -> str:
+    load = max(r.get("expert_load_max_over_mean") or [float("nan")])
+    return (f"step {r['step']:>6}/{total}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad {r['grad_norm']:.3f}  "
+            f"{r['tokens_per_s']:,.0f} tok/s  mfu {100 * r['mfu']:.1f}%  load {load:.2f}  [{r['stage']}]")
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")
