@@ -74,9 +74,28 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from zaya.checkpoint.consolidate import load_for_inference, resolve_checkpoint
     from zaya.model.hf import convert
 
-    dst = convert(args.src, args.dst, to=args.to, dtype=args.dtype, overwrite=args.force)
+    src = Path(args.src)
+    if src.is_dir() and resolve_checkpoint(src)[0] == "training":  # a run directory or one training checkpoint
+        import torch
+
+        from zaya.fsutil import atomic_write_bytes
+        from zaya.model.hf import save_hf
+        from zaya.model.io import save_checkpoint
+
+        model, tokenizer, _ = load_for_inference(src)
+        if args.dtype != "keep":
+            model = model.to(getattr(torch, args.dtype))
+        dst = save_hf(model, args.dst, overwrite=args.force) if args.to == "hf" else \
+            save_checkpoint(model, args.dst, overwrite=args.force)
+        if tokenizer is not None:  # generate/eval on the export find it there
+            atomic_write_bytes(Path(dst) / "tokenizer.json", tokenizer.read_bytes())
+    else:
+        dst = convert(args.src, args.dst, to=args.to, dtype=args.dtype, overwrite=args.force)
     print(f"wrote {dst}")
     return 0
 
@@ -217,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser("convert", help="convert a checkpoint between the zaya and Hugging Face layouts")
     p.add_argument("--to", required=True, choices=("hf", "zaya"), help="layout to write")
-    p.add_argument("--src", required=True, metavar="DIR", help="zaya checkpoint or Hugging Face directory")
+    p.add_argument("--src", required=True, metavar="DIR",
+                   help="a run directory, a training checkpoint, a zaya checkpoint or a Hugging Face directory")
     p.add_argument("--dst", required=True, metavar="DIR", help="directory to write")
     p.add_argument("--dtype", default="keep", choices=("keep", "float32", "bfloat16"),
                    help="weight dtype to write (default: keep the source's)")
