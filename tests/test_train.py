@@ -261,3 +261,20 @@ def test_two_rank_resume_matches_uninterrupted(tmp_path, micro_config):
     a = torch.tensor([r["loss"] for r in train_records(straight)])
     b = torch.tensor([r["loss"] for r in train_records(resumed)])
     torch.testing.assert_close(b, a, rtol=1e-6, atol=0)
+
+
+def test_resume_refuses_a_checkpoint_of_another_model_shape(tmp_path, micro_config):
+    from zaya.checkpoint.store import CheckpointError
+
+    source = tmp_path / "source"
+    run_train(micro_config(source, name="a.toml"), "--set", "train.max_steps=1")
+    other = micro_config(tmp_path / "other", name="b.toml")
+    with pytest.raises(CheckpointError, match="model.hidden_size = 64 there, 96 here"):
+        run_train(other, "--set", "model.hidden_size=96", "--resume", str(source))
+
+
+def test_zaya1_base_recipe_loads_with_three_stages():
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "zaya1-base.toml")
+    assert [s.name for s in cfg.stages] == ["web-4k", "code-math-4k", "long-32k"]
+    assert [s.seq_len for s in cfg.stages] == [4096, 4096, 32768] and cfg.stages[2].rope_theta == 1e6
+    assert cfg.optim.lr == 6e-4 and cfg.optim.min_lr == 2e-4 and cfg.optim.schedule == "cosine"
