@@ -46,6 +46,11 @@ def _scaled_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                         causal: bool) -> torch.Tensor:
     """Softmax attention with GQA broadcasting; ``q`` [B,Hq,T,D], ``k``/``v`` [B,Hkv,S,D]."""
     groups = q.shape[1] // k.shape[1]
+    if groups > 1 and q.device.type == "cpu":
+        # Native GQA (CPU flash kernel): the same result as repeating k/v per query group, without the copies and
+        # their backward sums. Elsewhere repeat, which every backend accepts (some CUDA ones refuse enable_gqa).
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                              enable_gqa=True)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
@@ -84,14 +89,24 @@ class Attention(nn.Module):
     def _cca_qkv(self, x: torch.Tensor, cache: AttentionCache | None) -> tuple[torch.Tensor, ...]:
         b, t, _ = x.shape
         hq, hk, hd = self.num_query_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x)
-        k = self.k_proj(x)
+        # One GEMM for the four projections (one cast of x under autocast, one input gradient); the q and k
+        # columns come out side by side, which is the packed [q; k] layout the convolutions take.
+        qw, kw = hq * hd, hk * hd
+        vw = self.v_current_proj.out_features
+        proj = F.linear(x, torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_current_proj.weight,
+                                      self.v_previous_proj.weight)))
+        # split, not slicing: its backward concatenates the pieces' gradients instead of zero-filling a full-width
+        # gradient per slice.
+        qk, v_current, v_delayed = proj.split((qw + kw, vw, vw), dim=-1)
+        q, k = qk.split((qw, kw), dim=-1)
 
         # q-k mean: every query head is paired with its KV head; keys take the mean over their query group.
-        q_mean = (q.view(b, t, hq, hd) + k.view(b, t, hk, 1, hd).expand(b, t, hk, hq // hk, hd).reshape(b, t, hq, hd)) * 0.5
-        k_mean = q_mean.view(b, t, hk, hq // hk, hd).mean(dim=3)
+        # (Broadcasting k over its group gives the same sums as materialising the repeat, without the copy.)
+        q_mean = (q.view(b, t, hk, hq // hk, hd) + k.view(b, t, hk, 1, hd)) * 0.5  # [B, T, Hkv, group, D]
+        k_mean = q_mean.mean(dim=3)
+        q_mean = q_mean.view(b, t, hq, hd)
 
-        packed = torch.cat((q, k), dim=-1).transpose(1, 2)  # [B, C, T]
+        packed = qk.transpose(1, 2)  # [B, C, T]: q then k channels
         if cache is not None:
             history = cache.conv_state.to(packed.dtype)
         else:
@@ -99,12 +114,10 @@ class Attention(nn.Module):
         packed = torch.cat((history, packed), dim=-1)
         if cache is not None:
             cache.conv_state = packed[..., packed.shape[-1] - self.conv_reach:].detach().clone()
-        mixed = self.conv_grouped(self.conv_depthwise(packed)).transpose(1, 2)  # [B, T, C]
-        q = mixed[..., : hq * hd].view(b, t, hq, hd) + q_mean
-        k = mixed[..., hq * hd:].view(b, t, hk, hd) + k_mean
+        mixed_q, mixed_k = self.conv_grouped(self.conv_depthwise(packed)).transpose(1, 2).split((qw, kw), dim=-1)
+        q = mixed_q.view(b, t, hq, hd) + q_mean
+        k = mixed_k.view(b, t, hk, hd) + k_mean
 
-        v_current = self.v_current_proj(x)
-        v_delayed = self.v_previous_proj(x)
         if cache is not None:
             first = cache.value_state.to(v_delayed.dtype)[:, None]
             cache.value_state = v_delayed[:, -1].detach().clone()
@@ -122,10 +135,11 @@ class Attention(nn.Module):
 
     def _plain_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_query_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        return q, k, v
+        qw, kw = self.num_query_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = F.linear(x, torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))).split(
+            (qw, kw, kw), dim=-1)
+        return (q.view(b, t, self.num_query_heads, self.head_dim), k.view(b, t, self.num_kv_heads, self.head_dim),
+                v.view(b, t, self.num_kv_heads, self.head_dim))
 
     # ----------------------------------------------------------------------------------------------- forward
     def forward(

@@ -4,6 +4,43 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * (x * r) in x's dtype, r = rsqrt(mean(x^2) + eps) in fp32 [..., 1])."""
+    x32 = x.float()
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x32 * r).to(x.dtype), r
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm with a hand-written backward: the forward's exact operations; the backward saves only x and the
+    per-row rsqrt (autograd's chain of pow/mean/rsqrt/mul keeps four fp32 intermediates) and needs fewer passes.
+    Same gradient formula as autograd's chain, in fp32; only fp32 rounding order differs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # noqa: D102
+        out, r = _rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight, r)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        x, weight, r = ctx.saved_tensors
+        x32 = x.float()
+        y = (x32 * r).to(x.dtype)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad * y).sum(tuple(range(grad.dim() - 1))).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            gy = (grad * weight).to(x.dtype).float()
+            # d(x * r)/dx with r = (mean(x^2) + eps)^-1/2:  (gy - x * r^2 * mean(gy * x)) * r
+            dot = (gy * x32).mean(-1, keepdim=True)
+            grad_x = gy.sub_(x32 * (r * r) * dot).mul_(r).to(x.dtype)
+        return grad_x, grad_w, None
 
 
 class RMSNorm(nn.Module):
@@ -19,10 +56,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)[0]
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -44,7 +80,70 @@ class ResidualScale(nn.Module):
         self.residual_bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        params = (self.branch_bias, self.branch_scale, self.residual_bias, self.residual_scale)
+        if torch.is_grad_enabled() and (branch.requires_grad or residual.requires_grad
+                                        or any(p.requires_grad for p in params)):
+            return _ResidualScaleFunction.apply(branch, residual, *params)
         return (branch + self.branch_bias) * self.branch_scale + (residual + self.residual_bias) * self.residual_scale
+
+
+class _ResidualScaleFunction(torch.autograd.Function):
+    """``(branch + bb) * bs + (residual + rb) * rs`` with the same operations in the same order (bitwise the same
+    output and gradients as autograd's), but the forward works in place on two temporaries instead of five, the
+    backward recomputes the two sums instead of keeping them alive, and each bias gradient comes from the same
+    product as its input gradient."""
+
+    @staticmethod
+    def forward(ctx, branch, residual, branch_bias, branch_scale, residual_bias, residual_scale):  # noqa: D102
+        ctx.save_for_backward(branch, residual, branch_bias, branch_scale, residual_bias, residual_scale)
+        a = _mul(torch.add(branch, branch_bias), branch_scale)
+        r = _mul(torch.add(residual, residual_bias), residual_scale)
+        return _add(a, r)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        branch, residual, bb, bs, rb, rs = ctx.saved_tensors
+        dims = tuple(range(grad.dim() - 1))
+        need = ctx.needs_input_grad
+        grad_branch = grad_residual = grad_bb = grad_bs = grad_rb = grad_rs = None
+        # Autograd's steps and roundings: the gradient of each product arrives in the product's dtype; the gradient
+        # of (x + bias) is grad * scale in the sum's dtype, the bias gradient its row sum, x's its cast; the scale
+        # gradient is the row sum of grad * (x + bias). Row sums come before the cast to the parameter's dtype.
+        ab_dtype = torch.result_type(branch, bb)
+        ar_dtype = torch.result_type(residual, rb)
+        if need[0] or need[2] or need[3]:
+            ga = grad.to(torch.promote_types(ab_dtype, bs.dtype))
+            if need[0] or need[2]:
+                gb = (ga * bs).to(ab_dtype)
+                grad_bb = gb.sum(dims).to(bb.dtype) if need[2] else None
+                grad_branch = gb.to(branch.dtype) if need[0] else None
+            if need[3]:
+                grad_bs = _mul(torch.add(branch, bb), ga).sum(dims).to(bs.dtype)
+        if need[1] or need[4] or need[5]:
+            ga = grad.to(torch.promote_types(ar_dtype, rs.dtype))
+            if need[1] or need[4]:
+                gr = (ga * rs).to(ar_dtype)
+                grad_rb = gr.sum(dims).to(rb.dtype) if need[4] else None
+                grad_residual = gr.to(residual.dtype) if need[1] else None
+            if need[5]:
+                grad_rs = _mul(torch.add(residual, rb), ga).sum(dims).to(rs.dtype)
+        return grad_branch, grad_residual, grad_bb, grad_bs, grad_rb, grad_rs
+
+
+def _mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a * b``, in place into the temporary ``a`` when that keeps the promoted dtype."""
+    return a.mul_(b) if a.dtype == torch.result_type(a, b) and a.shape == torch.broadcast_shapes(a.shape, b.shape) \
+        else a * b
+
+
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b`` (commutative, so bitwise the same either way), in place into whichever temporary can hold it."""
+    dtype, shape = torch.result_type(a, b), torch.broadcast_shapes(a.shape, b.shape)
+    for t, other in ((a, b), (b, a)):
+        if t.dtype == dtype and t.shape == shape:
+            return t.add_(other)
+    return a + b
 
 
 class InputAffine(nn.Module):

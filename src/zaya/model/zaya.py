@@ -13,6 +13,7 @@ from torch import nn
 from zaya.config import ModelConfig
 from zaya.model.attention import Attention, AttentionCache
 from zaya.model.layers import InputAffine, ResidualScale, RMSNorm, RotaryEmbedding
+from zaya.model.loss import cross_entropy
 from zaya.model.moe import MoEBlock
 
 
@@ -182,8 +183,7 @@ class ZayaForCausalLM(nn.Module):
         if labels is not None:
             if logits_to_keep > 0:
                 labels = labels[:, -logits_to_keep:]
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                   ignore_index=-100)
+            loss = cross_entropy(logits, labels)
         return ZayaOutput(logits=logits, loss=loss, tokens_per_expert=torch.stack(counts), state=state)
 
     @staticmethod
