@@ -179,6 +179,12 @@ class OptimConfig:
     """Dtype of Muon's Newton-Schulz iteration: "bfloat16" (fast; the usual choice) or "float32"."""
     muon_adjust_lr: str = "match_rms_adamw"
     """Muon's per-matrix LR scaling: "match_rms_adamw" (0.2 sqrt(max(m, n))) or "original" (sqrt(max(1, m/n)))."""
+    muon_ns_method: str = "auto"
+    """Muon's Newton-Schulz: "auto" (the cheaper of Gram-space and standard per shape), "standard", "gram" or
+    "reference" (torch.optim.Muon's exact operations)."""
+    muon_distributed: str = "auto"
+    """Muon across ranks: "auto" (ddp and fsdp: each matrix orthogonalised by one rank, results shared; zero1
+    already splits the parameters) or "local" (every rank orthogonalises all it steps; for comparison)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 disables)."""
 
@@ -189,6 +195,11 @@ class OptimConfig:
             raise ConfigError(f'optim.muon_ns_dtype = {self.muon_ns_dtype!r}: "bfloat16" or "float32"')
         if self.muon_adjust_lr not in ("match_rms_adamw", "original"):
             raise ConfigError(f'optim.muon_adjust_lr = {self.muon_adjust_lr!r}: "match_rms_adamw" or "original"')
+        if self.muon_ns_method not in ("auto", "standard", "gram", "reference"):
+            raise ConfigError(f'optim.muon_ns_method = {self.muon_ns_method!r}: "auto", "standard", "gram" or '
+                              '"reference"')
+        if self.muon_distributed not in ("auto", "local"):
+            raise ConfigError(f'optim.muon_distributed = {self.muon_distributed!r}: "auto" or "local"')
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"optim.lr = {self.lr}, optim.min_lr = {self.min_lr}: need 0 <= min_lr <= lr, lr > 0")
         if self.warmup_steps < 0 or self.schedule_steps < 0 or not 0 <= self.decay_fraction <= 1:

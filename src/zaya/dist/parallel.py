@@ -1,6 +1,7 @@
 """Data parallelism: DDP, DDP with a ZeRO-1 sharded optimizer, and FSDP2, behind one small interface.
 
-* ``ddp``: gradients all-reduced by DistributedDataParallel; every rank runs the whole optimizer.
+* ``ddp``: gradients all-reduced by DistributedDataParallel; every rank runs the whole optimizer, except Muon's
+  Newton-Schulz: each matrix is orthogonalised by one rank and the results are broadcast (``optim.muon_distributed``).
 * ``zero1``: gradients as DDP, but each rank owns a disjoint, size-balanced subset of the parameters, keeps
   optimizer state only for those and updates only those; owners then broadcast their updated parameters. Optimizer
   memory (and Muon's Newton-Schulz work) falls as 1/world. This is what ZAYA1 trained with.

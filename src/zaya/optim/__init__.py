@@ -1,5 +1,5 @@
 """Optimizers."""
 
-from zaya.optim.muon import Muon, zeropower_via_newtonschulz
+from zaya.optim.muon import Muon, orthogonalize, zeropower_via_newtonschulz
 
-__all__ = ["Muon", "zeropower_via_newtonschulz"]
+__all__ = ["Muon", "orthogonalize", "zeropower_via_newtonschulz"]
