@@ -573,6 +573,14 @@ class _Task:
     param_dtype: torch.dtype
 
 
+def _dtype_name(dtype: Any) -> str:
+    """"bfloat16" or "float32" from a torch.dtype or its name; anything else is refused."""
+    name = str(dtype).removeprefix("torch.")
+    if getattr(torch, name, None) not in _NS_DTYPES:
+        raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+    return name
+
+
 class Muon(Optimizer):
     """Muon for 2-D and stacked 3-D ``[E, out, in]`` parameters, plain tensors or DTensors (see module docstring).
 
@@ -637,6 +645,8 @@ class Muon(Optimizer):
         self.__dict__.setdefault("_ws", _Workspace())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Checks a group's options; ``ns_dtype`` is kept by name ("bfloat16"/"float32") so that the optimizer's
+        state_dict holds only plain values (distributed checkpointing cannot carry a torch.dtype)."""
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         for p in params:
@@ -653,8 +663,7 @@ class Muon(Optimizer):
             raise ValueError(
                 f"Adjust learning rate function {param_group['adjust_lr_fn']!r} is not supported; use one of "
                 f"{_ADJUST_LR_FNS}")
-        if param_group["ns_dtype"] not in _NS_DTYPES:
-            raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32, got {param_group['ns_dtype']}")
+        param_group["ns_dtype"] = _dtype_name(param_group["ns_dtype"])
         if param_group["ns_method"] not in NS_METHODS:
             raise ValueError(f"ns_method must be one of {NS_METHODS}, got {param_group['ns_method']!r}")
         if not 0 <= param_group["ns_steps"] < 100:
@@ -680,7 +689,8 @@ class Muon(Optimizer):
             lr = group["lr"]
             lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
             cfg = _NSConfig(iteration_coefficients(group["ns_coefficients"], group["ns_steps"]), float(group["eps"]),
-                            group["ns_dtype"], group["ns_method"], tuple(group["gram_restarts"]))
+                            getattr(torch, _dtype_name(group["ns_dtype"])), group["ns_method"],
+                            tuple(group["gram_restarts"]))
             momentum = group["momentum"]
             for p in group["params"]:
                 grad = p.grad
