@@ -53,10 +53,13 @@ micro_batch_size = 4
 seq_len = 32
 log_every = 2
 eval_every = 3
-checkpoint_every = 3
 sample_tokens = 8
 peak_flops = 1e11
 run_dir = "{run_dir}"
+
+[checkpoint]
+every = 3
+ram_dir = "{run_dir}.ram"
 """
 
 

@@ -121,7 +121,7 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path, micro_config):
     run = tmp_path / "run"
     cfg = micro_config(run)
     run_train(cfg, "--set", "train.max_steps=3", "--set", "optim.schedule_steps=6",
-              "--set", "train.checkpoint_every=1")
+              "--set", "checkpoint.every=1")
     ckpts = run / "checkpoints"
     # a torn newer checkpoint (no COMMIT) and a corrupted COMMIT are never loaded
     (ckpts / "step-00000009").mkdir()
@@ -135,11 +135,9 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path, micro_config):
     assert latest_checkpoint(ckpts).name == "step-00000006"
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, micro_config):
-    run = tmp_path / "run"
-    cfg = micro_config(run, extra="")
-    proc = subprocess.Popen([sys.executable, "-m", "zaya", "train", "--config", str(cfg), "--max-steps", "100000",
-                             "--set", "train.checkpoint_every=0", "--set", "train.eval_every=0"],
+def train_until_sigterm(cfg: Path, run: Path, *args: str) -> str:
+    """Start `zaya train` in a subprocess, SIGTERM it after two steps, check it exits 0; return its output."""
+    proc = subprocess.Popen([sys.executable, "-m", "zaya", "train", "--config", str(cfg), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     metrics = run / "metrics.jsonl"
@@ -149,12 +147,34 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, micro_config):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
+    return out
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path, micro_config):
+    run = tmp_path / "run"
+    out = train_until_sigterm(micro_config(run), run, "--max-steps", "100000", "--set", "checkpoint.every=0",
+                              "--set", "train.eval_every=0")
     from zaya.checkpoint.store import latest_checkpoint, read_meta
 
     newest = latest_checkpoint(run / "checkpoints")
     assert newest is not None and "stop requested (SIGTERM)" in read_meta(newest)["reason"]
     assert read_meta(newest)["step"] == train_records(run)[-1]["step"] >= 2
     assert "stopped at step" in out
+
+
+def test_restart_after_sigterm_loads_from_the_ram_tier_and_matches_an_uninterrupted_run(tmp_path, micro_config):
+    run = tmp_path / "run"
+    cfg = micro_config(run, name="a.toml")
+    fixed = ["--set", "optim.schedule_steps=40", "--set", "train.eval_every=0", "--set", "train.sample_tokens=0"]
+    train_until_sigterm(cfg, run, "--max-steps", "40", "--set", "checkpoint.every=0", *fixed)
+    stopped = train_records(run)[-1]["step"]
+    assert stopped < 40, "the run finished before the signal; nothing to restart"
+    summary = run_train(cfg, "--set", f"train.max_steps={stopped + 2}", *fixed)
+    assert summary["resumed_from"]["source"] == "ram" and summary["resumed_from"]["step"] == stopped
+    assert not list(Path(f"{run}.ram").glob("*/rank-*")), "a finished run leaves no RAM-tier copy behind"
+    straight = tmp_path / "straight"
+    run_train(micro_config(straight, name="b.toml"), "--set", f"train.max_steps={stopped + 2}", *fixed)
+    assert [r["loss"] for r in train_records(run)] == [r["loss"] for r in train_records(straight)]
 
 
 def test_non_finite_loss_stops_naming_the_step_and_checkpoint(tmp_path, micro_config, monkeypatch):
@@ -223,7 +243,7 @@ def torchrun(cfg: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProce
 
 
 DIST_SETTINGS = ["--set", "train.dtype=\"float32\"", "--set", "optim.muon_ns_dtype=\"float32\"", "--set", "train.max_steps=4", "--set", "train.eval_every=0",
-                 "--set", "train.checkpoint_every=2", "--set", "train.sample_tokens=0",
+                 "--set", "checkpoint.every=2", "--set", "train.sample_tokens=0",
                  "--set", "optim.schedule_steps=4"]
 
 

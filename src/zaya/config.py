@@ -231,10 +231,6 @@ class TrainConfig:
     """Progress line every this many steps (metrics.jsonl gets every step)."""
     eval_every: int = 100
     """Validation loss every this many steps (and at the end); 0 = only at the end."""
-    checkpoint_every: int = 100
-    """Checkpoint every this many steps (and at the end, and on SIGTERM/SIGINT); 0 = only those."""
-    keep_checkpoints: int = 3
-    """Newest complete checkpoints kept in <run_dir>/checkpoints."""
     timeout_s: float = 1800.0
     """Collective timeout during training (long, so short network stalls don't kill a job)."""
     startup_timeout_s: float = 300.0
@@ -255,10 +251,10 @@ class TrainConfig:
     """Where config.toml, metrics.jsonl, checkpoints/, plots/ and logs go."""
 
     def __post_init__(self) -> None:
-        for key in ("max_steps", "micro_batch_size", "seq_len", "log_every", "keep_checkpoints"):
+        for key in ("max_steps", "micro_batch_size", "seq_len", "log_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} = {getattr(self, key)!r}: must be a positive integer")
-        for key in ("eval_every", "checkpoint_every", "global_batch_tokens"):
+        for key in ("eval_every", "global_batch_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key} = {getattr(self, key)!r}: must be >= 0")
         if self.dtype not in ("bfloat16", "float32"):
@@ -270,6 +266,45 @@ class TrainConfig:
         points = [t for t, _ in self.batch_ramp]
         if points != sorted(points) or any(b <= 0 for _, b in self.batch_ramp):
             raise ConfigError(f"train.batch_ramp = {self.batch_ramp}: tokens_seen must increase and batches be > 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Training checkpoints ([checkpoint]): when, how (sync/async), what is kept, how loads are verified."""
+
+    every: int = 100
+    """Checkpoint every this many steps (and at the end, and on SIGTERM/SIGINT); 0 = only those."""
+    keep: int = 3
+    """Newest complete checkpoints kept in <run_dir>/checkpoints."""
+    keep_every: int = 0
+    """Also keep, permanently, every checkpoint whose step is a multiple of this; 0 = none."""
+    async_save: bool = True
+    """Periodic saves copy the state to host memory and write it in the background while training goes on (the
+    final and on-signal saves always complete before the process exits)."""
+    when_busy: str = "wait"
+    """A save falls due while the previous one is still writing: "wait" for it, or "skip" the new one."""
+    verify: str = "sha256"
+    """Checks before a checkpoint is loaded: "sha256" (every file's size and checksum) or "size" (sizes only)."""
+    ram_tier: bool = True
+    """Keep the newest checkpoint in host shared memory too (each rank its own part), so a restart after a crash
+    at the same world size and parallel mode loads from RAM; disk otherwise."""
+    ram_dir: str = ""
+    """Directory of the RAM tier; "" = /dev/shm/zaya (per node). Must be a RAM-backed filesystem to help."""
+    on_error: str = "continue"
+    """A save that fails (e.g. a full disk): "continue" training (the previous checkpoint stays the newest; a
+    warning names the error) or "stop" the run."""
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep = {self.keep!r}: must be a positive integer")
+        for key in ("every", "keep_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"checkpoint.{key} = {getattr(self, key)!r}: must be >= 0")
+        for key, choices in (("when_busy", ("wait", "skip")), ("verify", ("sha256", "size")),
+                             ("on_error", ("continue", "stop"))):
+            if getattr(self, key) not in choices:
+                raise ConfigError(f"checkpoint.{key} = {getattr(self, key)!r}: must be "
+                                  + " or ".join(f'"{c}"' for c in choices))
 
 
 @dataclass
@@ -346,6 +381,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     stages: list[StageConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -369,6 +405,10 @@ def _nearest(key: str, valid: list[str]) -> str:
     return f" Did you mean {match[0]!r}?" if match else f" Valid keys: {', '.join(sorted(valid))}."
 
 
+_MOVED_KEYS = {"train.checkpoint_every": "checkpoint.every", "train.keep_checkpoints": "checkpoint.keep"}
+"""Keys of older configs that now live elsewhere, so their error says where."""
+
+
 def _build(cls: type, table: dict[str, Any], where: str) -> Any:
     """Construct dataclass ``cls`` from a TOML table, rejecting unknown keys and wrong types."""
     if not isinstance(table, dict):
@@ -377,6 +417,10 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
     valid = [f.name for f in fields(cls)]
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
+        moved = _MOVED_KEYS.get(f"{where.rsplit('[', 1)[-1].strip('[]')}.{key}")
+        if moved:
+            raise ConfigError(f"{where}: {key!r} has moved: write it as {moved} (in the [{moved.split('.')[0]}] "
+                              "table)")
         if key not in valid:
             raise ConfigError(f"{where}: unknown key {key!r}.{_nearest(key, valid)}")
         kwargs[key] = _check_type(value, hints[key], f"{where}.{key}")
@@ -420,12 +464,14 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     data_config = _build(DataConfig, data.get("data", {}), f"{source} [data]")
     optim = _build(OptimConfig, data.get("optim", {}), f"{source} [optim]")
     train = _build(TrainConfig, data.get("train", {}), f"{source} [train]")
+    checkpoint = _build(CheckpointConfig, data.get("checkpoint", {}), f"{source} [checkpoint]")
     stages_raw = data.get("stages", [])
     if not isinstance(stages_raw, list):
         raise ConfigError(f"{source}: [[stages]] must be an array of tables")
     stages = [_build(StageConfig, t, f"{source} [[stages]][{i}]") for i, t in enumerate(stages_raw)]
     try:
-        return Config(model=model, data=data_config, optim=optim, train=train, stages=stages)
+        return Config(model=model, data=data_config, optim=optim, train=train, checkpoint=checkpoint,
+                      stages=stages)
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None
 

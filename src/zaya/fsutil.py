@@ -57,6 +57,21 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def replace_directory(src: str | Path, dst: str | Path) -> None:
+    """Rename the complete directory ``src`` to ``dst``; an existing ``dst`` is swapped aside first and deleted only
+    after ``src`` is in place, so there is never a moment without one of them at ``dst``'s name or its aside."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+    fsync_dir(dst.parent)
+
+
 @contextmanager
 def atomic_directory(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that replaces ``dst`` only if the block finishes without an exception.
@@ -82,14 +97,7 @@ def atomic_directory(dst: str | Path, overwrite: bool = False) -> Iterator[Path]
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-        if dst.exists():
-            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
-        fsync_dir(dst.parent)
+        replace_directory(tmp, dst)
         ok = True
     finally:
         if tmp.exists():

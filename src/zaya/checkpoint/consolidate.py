@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from zaya.checkpoint.store import CheckpointError, is_complete, latest_checkpoint, read_meta
+from zaya.checkpoint.commit import is_complete, latest_checkpoint, read_meta
+from zaya.checkpoint.errors import CheckpointError
 
 TOKENIZER = "tokenizer.json"
 

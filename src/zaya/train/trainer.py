@@ -37,8 +37,8 @@ TOKENIZER_FILE = "tokenizer.json"
 CHECKPOINTS = "checkpoints"
 
 # Keys that may differ when a run is resumed (they change how the run is driven, not what it computes).
-_RESUMABLE_CHANGES = {"train.max_steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
-                      "train.keep_checkpoints", "train.timeout_s", "train.startup_timeout_s", "train.peak_flops",
+# Every [checkpoint] key may change too (how often and how checkpoints are written is not part of the run).
+_RESUMABLE_CHANGES = {"train.max_steps", "train.log_every", "train.eval_every", "train.timeout_s", "train.startup_timeout_s", "train.peak_flops",
                       "train.on_nan", "train.max_skipped_steps", "train.sample_prompt", "train.sample_tokens",
                       "train.tensorboard", "train.run_dir", "train.parallel", "train.micro_batch_size",
                       "data.prefetch", "data.cache_dir"}
@@ -89,7 +89,8 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def config_differences(old: Config, new: Config) -> list[str]:
     """Keys (table.key) whose values differ in a way that makes ``new`` a different run from ``old``."""
     a, b = _flatten(to_dict(old)), _flatten(to_dict(new))
-    return [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in _RESUMABLE_CHANGES]
+    return [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in _RESUMABLE_CHANGES
+            and not k.startswith("checkpoint.")]
 
 
 def _rng_state() -> dict[str, Any]:
@@ -150,30 +151,9 @@ def _set_rope_theta(model, theta: float) -> None:
         model.rope.reset_parameters()
 
 
-def _resolve_resume(resume: str, checkpoints: Path) -> Path | None:
-    from zaya.checkpoint.store import CheckpointError, is_complete, latest_checkpoint, list_checkpoints
-
-    if resume == "never":
-        return None
-    if resume == "auto":
-        newest = latest_checkpoint(checkpoints)
-        partial = sorted(checkpoints.glob(".step-*.partial")) if checkpoints.is_dir() else []
-        return newest if newest is not None or not partial else None
-    path = Path(resume)
-    if (path / CHECKPOINTS).is_dir():
-        path = latest_checkpoint(path / CHECKPOINTS)
-        if path is None:
-            raise CheckpointError(f"{resume}: no complete checkpoint in {Path(resume) / CHECKPOINTS}")
-    if not is_complete(path):
-        done = list_checkpoints(path.parent)
-        hint = f"; the newest complete one is {done[-1]}" if done else ""
-        raise CheckpointError(f"{path}: not a complete checkpoint (no valid COMMIT marker){hint}")
-    return path
-
-
 def train(config: Config, resume: str = "auto") -> dict[str, Any]:
     """Run training as configured; returns a summary (final losses, throughput, paths). See the module docstring."""
-    from zaya.checkpoint.store import CheckpointStore, check_model_config, latest_checkpoint
+    from zaya.checkpoint.store import CheckpointError, CheckpointStore, check_model_config, latest_checkpoint
     from zaya.data.bundle import PreparedDataset
     from zaya.data.cache import resolve_dataset
     from zaya.data.loader import DataLoader, check_vocabulary, validation_batches
@@ -193,6 +173,7 @@ def train(config: Config, resume: str = "auto") -> dict[str, Any]:
     checkpoints = run_dir / CHECKPOINTS
     metrics_log = None
     loader = None
+    store = None
     stopper = _Stop()
     try:
         # --- run directory, data, model, optimizers ---------------------------------------------------------
@@ -232,12 +213,15 @@ def train(config: Config, resume: str = "auto") -> dict[str, Any]:
         owned = ParamSplit(par.owned(split.muon), par.owned(split.adamw_decay), par.owned(split.adamw_no_decay))
         optimizers = build_optimizers(owned, oc)
         peaks = peak_lrs(optimizers)
-        store = CheckpointStore(checkpoints, keep=tc.keep_checkpoints, distributed=rt.distributed, rank=rt.rank)
+        store = CheckpointStore(checkpoints, config.checkpoint, rank=rt.rank, world_size=rt.world_size,
+                                distributed=rt.distributed, parallel=tc.parallel, run_dir=run_dir, log=say,
+                                timeout_s=tc.timeout_s)
         model_config = to_dict(mc)
 
         step, tokens = 0, 0
         start_tokens = 0
-        start_path = _resolve_resume(resume, checkpoints)
+        resumed_from = None
+        start_path = store.select(resume)
         if start_path is not None:
             meta_probe = json.loads((start_path / "meta.json").read_text())
             check_model_config(meta_probe, model_config, start_path)
@@ -245,8 +229,10 @@ def train(config: Config, resume: str = "auto") -> dict[str, Any]:
             loader.load_state_dict(meta["loader"])
             step, tokens = meta["step"], meta["tokens"]
             start_tokens = tokens
+            resumed_from = {"path": str(start_path), "step": step, "source": meta["loaded_from"]}
             _set_rng_state(meta["rng"])
-            say(f"resumed from {start_path} (step {step}, {tokens:,} tokens; saved at world size "
+            say(f"resumed from {start_path}{' (RAM tier)' if meta['loaded_from'] == 'ram' else ''} (step {step}, "
+                f"{tokens:,} tokens; saved at world size "
                 f"{meta['world_size']} with {meta['parallel']}, now {rt.world_size} with {tc.parallel})")
         if step >= tc.max_steps:
             say(f"already at step {step} >= max_steps {tc.max_steps}: nothing to train")
@@ -259,6 +245,7 @@ def train(config: Config, resume: str = "auto") -> dict[str, Any]:
         progress.close()
         progress = Progress(tc.max_steps, step, rt.is_main, tc.log_every)
         say = progress.say
+        store.log = say
         train_tokens = sum(d.split("train").num_tokens for d in datasets.values())
         say(f"zaya train: {n_params:,} parameters, {rt.world_size} rank(s) ({tc.parallel}, {rt.device.type}), "
             f"{train_tokens:,} train tokens ({', '.join(datasets)}), {len(stages)} stage(s), dtype {tc.dtype}, "
@@ -288,14 +275,15 @@ def train(config: Config, resume: str = "auto") -> dict[str, Any]:
             say(f"step {at_step:>6}  validation loss {val_loss:.4f}  (ppl {perplexity(val_loss):.2f})")
             return val_loss
 
-        def save(at_step: int, why: str) -> Path:
+        def save(at_step: int, why: str) -> None:
+            """Periodic saves run in the background (checkpoint.async_save); the final and on-signal ones block."""
             meta = {"step": at_step, "tokens": tokens, "loader": loader.state_dict(), "rng": _rng_state(),
                     "model_config": model_config, "world_size": rt.world_size, "parallel": tc.parallel,
                     "reason": why, "time": time.time()}
-            t0 = time.perf_counter()
-            path = store.save(at_step, par.module, optimizers, meta)
-            say(f"checkpoint {path} ({why}, {time.perf_counter() - t0:.1f} s)")
-            return path
+            try:
+                store.save(at_step, par.module, optimizers, meta, blocking=None if why == "periodic" else True)
+            except CheckpointError as err:
+                raise TrainingError(str(err)) from None
 
         # --- the loop -----------------------------------------------------------------------------------------
         model.train()
@@ -384,7 +372,14 @@ def train(config: Config, resume: str = "auto") -> dict[str, Any]:
             metrics_log.write(record)
             progress.step(record)
 
-            stop_now = bool(rt.all_reduce_max(torch.tensor([float(stopper.requested)])) > 0)
+            flags = rt.all_reduce_max(torch.tensor([float(stopper.requested), float(store.poll_failed())]))
+            if flags[1] > 0:
+                failed = store.fatal or store.last_outcome
+                raise TrainingError(f"checkpoint of step {failed.step if failed else '?'} failed"
+                                    f"{': ' + failed.error if failed else ' on another rank'}; stopping "
+                                    f'(checkpoint.on_error = "stop"). The newest checkpoint is '
+                                    f"{latest_checkpoint(checkpoints) or 'none'}")
+            stop_now = bool(flags[0] > 0)
             if tc.eval_every and step % tc.eval_every == 0 and step < tc.max_steps:
                 val_loss = evaluate(step)
             if stop_now:
@@ -392,7 +387,7 @@ def train(config: Config, resume: str = "auto") -> dict[str, Any]:
                 last_saved = step
                 say(f"stopped at step {step} on request; resume with the same command")
                 break
-            if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.max_steps:
+            if config.checkpoint.every and step % config.checkpoint.every == 0 and step < tc.max_steps:
                 save(step, "periodic")
                 last_saved = step
 
@@ -403,15 +398,21 @@ def train(config: Config, resume: str = "auto") -> dict[str, Any]:
             val_loss = evaluate(step)
             if last_saved != step:
                 save(step, "final")
+            else:
+                store.wait()
+            store.forget_ram_tier()  # a finished run needs no crash-restart copy in host memory
         summary = {"step": step, "tokens": tokens, "first_val_loss": first_val, "val_loss": val_loss,
                    "first_loss": losses[0] if losses else None, "final_loss": float(np.mean(losses[-10:]))
                    if losses else None, "tokens_per_s": (tokens - start_tokens) / train_seconds
                    if train_seconds else None, "run_dir": str(run_dir),
-                   "checkpoint": str(latest_checkpoint(checkpoints) or ""), "finished": finished}
+                   "checkpoint": str(latest_checkpoint(checkpoints) or ""), "finished": finished,
+                   "resumed_from": resumed_from}
         if finished and rt.is_main:
             _finish(config, par, model, run_dir, summary, say, first, autocast)
         return summary
     finally:
+        if store is not None:
+            store.close()
         stopper.uninstall()
         progress.close()
         if loader is not None:

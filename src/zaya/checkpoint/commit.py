@@ -1,0 +1,143 @@
+"""What makes a checkpoint directory valid: its COMMIT marker, and the checks made against it before a load.
+
+``COMMIT`` is written last, after every rank's files are on disk, and lists each file with its size and sha256::
+
+    {"format": 2, "step": 100, "files": {".metadata": {"size": 1234, "sha256": "..."}, ...}}
+
+A directory without a readable marker, or with a listed file missing or of another size, is *incomplete* and is
+never loaded. ``verify`` goes further and recomputes the checksums (spread over the ranks by the caller), which
+finds a flipped byte as well as a torn write. Markers of format 1 (sizes only) are still read; they verify by size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+COMMIT = "COMMIT"
+META = "meta.json"
+COMMIT_FORMAT = 2
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+_HASH_BLOCK = 8 << 20
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in large blocks (hashlib releases the GIL while it hashes them)."""
+    digest = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        buf = bytearray(_HASH_BLOCK)
+        view = memoryview(buf)
+        while True:
+            n = fh.readinto(buf)
+            if not n:
+                break
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    size: int
+    sha256: str | None  # None in format-1 markers
+
+
+def read_commit(path: Path) -> dict[str, FileRecord] | None:
+    """The files a checkpoint's COMMIT lists, or None when there is no readable marker."""
+    try:
+        data = json.loads((path / COMMIT).read_text())
+        files = data["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    records: dict[str, FileRecord] = {}
+    for name, entry in files.items():
+        if isinstance(entry, int):
+            records[name] = FileRecord(entry, None)
+        elif isinstance(entry, dict) and isinstance(entry.get("size"), int):
+            records[name] = FileRecord(entry["size"], entry.get("sha256"))
+        else:
+            return None
+    return records
+
+
+def write_commit(path: Path, step: int, files: dict[str, FileRecord]) -> None:
+    from zaya.fsutil import atomic_write_text
+
+    body = {"format": COMMIT_FORMAT, "step": step,
+            "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in sorted(files.items())}}
+    atomic_write_text(path / COMMIT, json.dumps(body, indent=1) + "\n")
+
+
+def size_problem(path: Path, records: dict[str, FileRecord] | None) -> str | None:
+    """Why ``path`` is incomplete by the cheap checks (marker, presence, sizes), or None."""
+    if records is None:
+        return f"no valid {COMMIT} marker"
+    for name, record in sorted(records.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        size = file.stat().st_size
+        if size != record.size:
+            return f"{file} has {size:,} bytes, {COMMIT} says {record.size:,} (truncated or overwritten)"
+    return None
+
+
+def is_complete(path: Path) -> bool:
+    """A directory whose COMMIT marker lists files that all exist with their recorded sizes."""
+    return size_problem(path, read_commit(path)) is None
+
+
+def checksum_problem(path: Path, names: list[str], records: dict[str, FileRecord]) -> str | None:
+    """Recompute the sha256 of ``names`` (a subset of the marker's files); the first mismatch, or None."""
+    for name in names:
+        expected = records[name].sha256
+        if expected is None:
+            continue
+        try:
+            actual = sha256_file(path / name)
+        except OSError as err:
+            return f"{path / name} cannot be read ({err})"
+        if actual != expected:
+            return f"{path / name} fails its checksum (sha256 {actual[:16]}..., {COMMIT} says {expected[:16]}...)"
+    return None
+
+
+def share_of_files(records: dict[str, FileRecord], rank: int, world_size: int) -> list[str]:
+    """This rank's share of the files to checksum: largest first, each to the least-loaded rank (deterministic)."""
+    loads = [0] * world_size
+    mine: list[str] = []
+    for name, record in sorted(records.items(), key=lambda kv: (-kv[1].size, kv[0])):
+        owner = min(range(world_size), key=lambda r: (loads[r], r))
+        loads[owner] += record.size
+        if owner == rank:
+            mine.append(name)
+    return mine
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints (by the cheap checks), oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
+    return sorted((p for p in found if is_complete(p)), key=lambda p: p.name)
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    done = list_checkpoints(directory)
+    return done[-1] if done else None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    from zaya.checkpoint.errors import CheckpointError
+
+    problem = size_problem(path, read_commit(path))
+    if problem is not None:
+        raise CheckpointError(f"{path}: not a complete checkpoint ({problem}); it is never loaded")
+    return json.loads((path / META).read_text())

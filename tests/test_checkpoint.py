@@ -1,0 +1,346 @@
+"""The checkpoint store in one process: commit markers and checksums, verified load with fallback, retention,
+async saves (staged copies, exit while writing), failed saves (a file-size limit stands in for a full disk), the
+RAM tier, and the shape check. Multi-rank saving and resharding are in test_checkpoint_dist.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from zaya.checkpoint.commit import COMMIT, read_commit, sha256_file
+from zaya.checkpoint.store import CheckpointError, CheckpointStore, latest_checkpoint, list_checkpoints
+from zaya.config import CheckpointConfig
+
+
+def make_model(seed: int = 0, width: int = 48) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, [opt]
+
+
+def train_step(model: nn.Module, opts, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    loss = model(torch.randn(32, 16, generator=g)).square().mean()
+    loss.backward()
+    for o in opts:
+        o.step()
+        o.zero_grad()
+
+
+def full_state(model: nn.Module, opts) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, o in enumerate(opts):
+        for pid, st in o.state_dict()["state"].items():
+            for key, v in st.items():
+                out[f"optim{i}.{pid}.{key}"] = torch.as_tensor(v).clone()
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def store_for(tmp_path: Path, logs: list[str] | None = None, **kw) -> CheckpointStore:
+    kw.setdefault("ram_dir", str(tmp_path / "shm"))
+    cfg = CheckpointConfig(**kw)
+    return CheckpointStore(tmp_path / "run" / "checkpoints", cfg, log=(logs.append if logs is not None else
+                                                                       lambda s: None))
+
+
+def trained(steps: int = 2, seed: int = 0):
+    model, opts = make_model(seed)
+    for s in range(steps):
+        train_step(model, opts, s)
+    return model, opts
+
+
+# --- commit marker, verification -------------------------------------------------------------------------------------
+def test_commit_lists_every_file_with_size_and_sha256(tmp_path):
+    store = store_for(tmp_path, ram_tier=False)
+    model, opts = trained()
+    out = store.save(5, model, opts, {"step": 5}, blocking=True)
+    assert out.ok and out.path.name == "step-00000005"
+    records = read_commit(out.path)
+    on_disk = sorted(f.name for f in out.path.iterdir() if f.name != COMMIT)
+    assert sorted(records) == on_disk and "meta.json" in records and ".metadata" in records
+    for name, r in records.items():
+        assert r.size == (out.path / name).stat().st_size and r.sha256 == sha256_file(out.path / name)
+    assert not list(out.path.parent.glob(".*partial"))
+
+
+def test_round_trip_restores_model_and_optimizer_exactly(tmp_path):
+    store = store_for(tmp_path, ram_tier=False)
+    model, opts = trained()
+    want = full_state(model, opts)
+    store.save(2, model, opts, {"step": 2}, blocking=True)
+    fresh, fresh_opts = make_model(seed=99)
+    path = store.select("auto")
+    meta = store.load(path, fresh, fresh_opts)
+    assert meta["step"] == 2 and meta["loaded_from"] == "disk"
+    assert_same(full_state(fresh, fresh_opts), want)
+
+
+def flip_a_byte(path: Path) -> Path:
+    victim = max((f for f in path.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    return victim
+
+
+def test_flipped_byte_is_detected_and_the_previous_checkpoint_used(tmp_path):
+    logs: list[str] = []
+    store = store_for(tmp_path, logs, ram_tier=False)
+    model, opts = trained(1)
+    store.save(1, model, opts, {"step": 1}, blocking=True)
+    want = full_state(model, opts)
+    train_step(model, opts, 7)
+    newest = store.save(2, model, opts, {"step": 2}, blocking=True).path
+    victim = flip_a_byte(newest)
+    with pytest.raises(CheckpointError, match=f"{victim.name} fails its checksum"):
+        store.select(str(newest))  # an explicit path is never replaced by another checkpoint
+    chosen = store.select("auto")
+    assert chosen.name == "step-00000001"
+    assert any("failed verification" in s and victim.name in s for s in logs), logs
+    assert (newest.parent / "corrupt-step-00000002").is_dir() and not newest.exists()
+    fresh, fresh_opts = make_model(seed=5)
+    store.load(chosen, fresh, fresh_opts)
+    assert_same(full_state(fresh, fresh_opts), want)
+
+
+def test_size_only_verification_misses_a_flip_but_catches_truncation(tmp_path):
+    store = store_for(tmp_path, ram_tier=False, verify="size")
+    model, opts = trained(1)
+    path = store.save(1, model, opts, {"step": 1}, blocking=True).path
+    flip_a_byte(path)
+    assert store.select("auto") == path  # sizes unchanged: "size" trusts it (documented trade-off)
+    victim = max(path.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    with open(victim, "r+b") as fh:
+        fh.truncate(victim.stat().st_size - 1)
+    assert store.select("auto") is None and list_checkpoints(path.parent) == []
+
+
+def test_no_commit_marker_is_never_loaded(tmp_path):
+    store = store_for(tmp_path, ram_tier=False)
+    model, opts = trained(1)
+    path = store.save(3, model, opts, {"step": 3}, blocking=True).path
+    (path / COMMIT).unlink()
+    assert store.select("auto") is None
+    with pytest.raises(CheckpointError, match="no valid COMMIT marker"):
+        store.select(str(path))
+
+
+def test_retention_keeps_the_newest_and_every_mth(tmp_path):
+    store = store_for(tmp_path, ram_tier=False, keep=2, keep_every=3)
+    model, opts = trained(1)
+    for step in range(1, 9):
+        store.save(step, model, opts, {"step": step}, blocking=True)
+    assert [p.name for p in list_checkpoints(store.directory)] == \
+        ["step-00000003", "step-00000006", "step-00000007", "step-00000008"]
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    store = store_for(tmp_path, ram_tier=False)
+    model, opts = trained(1)
+    path = store.save(1, model, opts, {"step": 1}, blocking=True).path
+    other, other_opts = make_model(width=40)
+    with pytest.raises(CheckpointError, match=r"model.0.weight has shape \[48, 16\] there, \[40, 16\]"):
+        store.load(path, other, other_opts)
+
+
+# --- async -----------------------------------------------------------------------------------------------------------
+def test_async_save_writes_the_state_as_it_was_when_called(tmp_path):
+    store = store_for(tmp_path, ram_tier=False)
+    model, opts = trained()
+    want = full_state(model, opts)
+    assert store.save(2, model, opts, {"step": 2}) is None  # async by default: returns once staged
+    for _ in range(3):  # training goes on, changing every live tensor while the save may still be writing
+        train_step(model, opts, 11)
+    out = store.wait()
+    assert out.ok and out.asynchronous and out.blocked_seconds <= out.seconds
+    fresh, fresh_opts = make_model(seed=3)
+    store.load(store.select("auto"), fresh, fresh_opts)
+    assert_same(full_state(fresh, fresh_opts), want)
+
+
+def test_when_busy_skip_and_wait(tmp_path, monkeypatch):
+    import threading
+
+    logs: list[str] = []
+    store = store_for(tmp_path, logs, ram_tier=False, when_busy="skip")
+    model, opts = trained(1)
+    gate = threading.Event()
+    original = store._write
+
+    def slow_write(*a, **kw):
+        gate.wait(30)
+        return original(*a, **kw)
+
+    monkeypatch.setattr(store, "_write", slow_write)
+    store.save(1, model, opts, {"step": 1})
+    assert store.save(2, model, opts, {"step": 2}) is None and any("skipped" in s for s in logs)
+    gate.set()
+    assert store.wait().step == 1
+    store.config.when_busy = "wait"
+    gate.clear()
+    store.save(3, model, opts, {"step": 3})
+    threading.Timer(0.3, gate.set).start()
+    store.save(4, model, opts, {"step": 4})  # waits for step 3, then starts step 4
+    assert store.last_outcome.step == 3 and store.last_outcome.ok
+    store.close()
+    assert [p.name for p in list_checkpoints(store.directory)] == ["step-00000001", "step-00000003",
+                                                                     "step-00000004"]
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import os, sys, torch
+    from torch import nn
+    from zaya.checkpoint.store import CheckpointStore
+    from zaya.config import CheckpointConfig
+    root, how = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = nn.Linear(1024, 1024)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 1024)).sum().backward(); opt.step()
+    store = CheckpointStore(root + "/checkpoints", CheckpointConfig(ram_tier=False), log=print)
+    store.save(1, model, [opt], {"step": 1}, blocking=True)
+    store.save(2, model, [opt], {"step": 2})
+    if how == "hard":
+        os._exit(0)      # no clean-up at all: the background write dies with the process
+    elif how == "close":
+        store.close()    # what the trainer does on every exit path
+    sys.exit(0)          # plain interpreter exit, no close()
+""")
+
+
+@pytest.mark.parametrize("how", ["hard", "close", "plain"])
+def test_exit_right_after_an_async_save_leaves_a_complete_checkpoint_or_none(tmp_path, how):
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), how], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    ckpts = tmp_path / "checkpoints"
+    names = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-"))
+    assert names in (["step-00000001"], ["step-00000001", "step-00000002"])
+    if how == "close":
+        assert names[-1] == "step-00000002"
+    store = CheckpointStore(ckpts, CheckpointConfig(ram_tier=False), log=lambda s: None)
+    assert store.select("auto").name == names[-1]  # whatever is there passes verification
+
+
+# --- failed saves ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def file_size_limit():
+    """Make writes past 64 KiB fail with EFBIG (SIGXFSZ ignored), as a full disk makes them fail with ENOSPC."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def limit(on: bool) -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10 if on else soft, hard))
+
+    yield limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, old_handler)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_failed_save_keeps_the_previous_checkpoint_and_training_goes_on(tmp_path, file_size_limit, blocking):
+    logs: list[str] = []
+    store = store_for(tmp_path, logs, ram_tier=False)
+    model, opts = make_model(width=512)  # about 200 KB of fp32 state per file: past the limit
+    train_step(model, opts, 0)
+    good = store.save(1, model, opts, {"step": 1}, blocking=True).path
+    file_size_limit(True)
+    try:
+        out = store.save(2, model, opts, {"step": 2}, blocking=blocking)
+        out = out if blocking else store.wait()
+    finally:
+        file_size_limit(False)
+    # torch's writer reports the refused write as an opaque RuntimeError; the message adds the free space.
+    assert not out.ok and out.error.startswith("rank 0: ") and "MiB free in" in out.error
+    assert any("checkpoint of step 2 failed" in s and str(good) in s for s in logs), logs
+    assert latest_checkpoint(store.directory) == good and store.select("auto") == good
+    assert not list(store.directory.glob(".*partial"))
+    assert store.save(3, model, opts, {"step": 3}, blocking=True).ok  # the next save works again
+
+
+def test_failed_save_stops_when_configured(tmp_path, file_size_limit):
+    store = store_for(tmp_path, ram_tier=False, on_error="stop")
+    model, opts = make_model(width=512)
+    train_step(model, opts, 0)
+    file_size_limit(True)
+    try:
+        with pytest.raises(CheckpointError, match='checkpoint of step 1 failed.*on_error = "stop"'):
+            store.save(1, model, opts, {"step": 1}, blocking=True)
+    finally:
+        file_size_limit(False)
+
+
+# --- RAM tier --------------------------------------------------------------------------------------------------------
+def test_ram_tier_restores_the_same_state_and_only_when_it_matches_the_disk(tmp_path):
+    store = store_for(tmp_path)
+    model, opts = trained()
+    want = full_state(model, opts)
+    store.save(2, model, opts, {"step": 2})
+    store.wait()
+    info = json.loads(store.ram.info_path.read_text())
+    assert info["step"] == 2 and store.ram.data_path.is_file()
+
+    fresh, fresh_opts = make_model(seed=42)
+    restarted = store_for(tmp_path)  # a new process after a crash
+    meta = restarted.load(restarted.select("auto"), fresh, fresh_opts)
+    assert meta["loaded_from"] == "ram"
+    assert_same(full_state(fresh, fresh_opts), want)
+
+    # A newer disk checkpoint that the RAM tier does not hold (the tier is never ahead, but can be behind).
+    train_step(model, opts, 9)
+    no_ram = store_for(tmp_path, ram_tier=False)
+    no_ram.save(3, model, opts, {"step": 3}, blocking=True)
+    again, again_opts = make_model(seed=1)
+    meta = restarted.load(restarted.select("auto"), again, again_opts)
+    assert meta["loaded_from"] == "disk" and meta["step"] == 3
+    assert_same(full_state(again, again_opts), full_state(model, opts))
+
+    # Saved at another world size: not this rank's shards any more, so disk.
+    store.save(4, model, opts, {"step": 4}, blocking=True)
+    other = CheckpointStore(store.directory, CheckpointConfig(ram_dir=str(tmp_path / "shm")), world_size=1,
+                            parallel="fsdp", log=lambda s: None)
+    assert other.load(other.select("auto"), *make_model(seed=2))["loaded_from"] == "disk"
+
+    store.forget_ram_tier()
+    assert not store.ram.directory.exists()
+
+
+def test_ram_tier_without_room_falls_back_to_disk_with_a_warning(tmp_path, monkeypatch):
+    from zaya.checkpoint.ram_tier import RamTier
+
+    monkeypatch.setattr(RamTier, "room_for", lambda self, n: False)
+    logs: list[str] = []
+    store = store_for(tmp_path, logs)
+    model, opts = trained(1)
+    assert store.save(1, model, opts, {"step": 1}, blocking=True).ok
+    assert any("no room" in s for s in logs) and not store.ram.info_path.exists()
+    assert store.load(store.select("auto"), *make_model(seed=3))["loaded_from"] == "disk"
+
+
+def test_moved_config_keys_name_their_new_place(tmp_path):
+    from zaya.config import ConfigError, load_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[train]\ncheckpoint_every = 5\n")
+    with pytest.raises(ConfigError, match="'checkpoint_every' has moved: write it as checkpoint.every"):
+        load_config(cfg)
+    with pytest.raises(ConfigError, match='checkpoint.when_busy = .later.: must be "wait" or "skip"'):
+        CheckpointConfig(when_busy="later")
