@@ -73,30 +73,18 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from zaya.checkpoint.export import export
+
+    export(args.checkpoint, args.to, format=args.format, dtype=args.dtype, overwrite=args.force, log=print)
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from zaya.checkpoint.export import export
 
-    from zaya.checkpoint.consolidate import load_for_inference, resolve_checkpoint
-    from zaya.model.hf import convert
-
-    src = Path(args.src)
-    if src.is_dir() and resolve_checkpoint(src)[0] == "training":  # a run directory or one training checkpoint
-        import torch
-
-        from zaya.fsutil import atomic_write_bytes
-        from zaya.model.hf import save_hf
-        from zaya.model.io import save_checkpoint
-
-        model, tokenizer, _ = load_for_inference(src)
-        if args.dtype != "keep":
-            model = model.to(getattr(torch, args.dtype))
-        dst = save_hf(model, args.dst, overwrite=args.force) if args.to == "hf" else \
-            save_checkpoint(model, args.dst, overwrite=args.force)
-        if tokenizer is not None:  # generate/eval on the export find it there
-            atomic_write_bytes(Path(dst) / "tokenizer.json", tokenizer.read_bytes())
-    else:
-        dst = convert(args.src, args.dst, to=args.to, dtype=args.dtype, overwrite=args.force)
-    print(f"wrote {dst}")
+    export(args.src, args.dst, format="hf" if args.to == "hf" else "safetensors", dtype=args.dtype,
+           overwrite=args.force, log=print)
     return 0
 
 
@@ -233,6 +221,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, metavar="PATH", help="TOML config, e.g. configs/zaya1-base.toml")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
     p.set_defaults(func=_cmd_info)
+
+    p = verbs.add_parser("export", help="write one consolidated, inference-ready copy of a model",
+                         description="Write the model of a run (its newest complete checkpoint), a training "
+                                     "checkpoint (any world size), a zaya checkpoint or a Hugging Face zaya directory "
+                                     "as one directory, atomically, with the tokenizer.json found beside it.")
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
+                   help="a run directory, a training checkpoint, a zaya checkpoint or a Hugging Face directory")
+    p.add_argument("--to", required=True, metavar="DIR", help="directory to write (refused if it holds files, "
+                                                              "unless --force)")
+    p.add_argument("--format", default="hf", metavar="hf|safetensors",
+                   help="hf: the Hugging Face zaya layout (config.json + safetensors; default); safetensors: zaya's "
+                        "own checkpoint (zaya.json + model.safetensors)")
+    p.add_argument("--dtype", default="keep", choices=("keep", "float32", "bfloat16"),
+                   help="weight dtype to write (default: keep the stored one, bit-exact)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing DIR (only once the new export is complete)")
+    p.set_defaults(func=_cmd_export)
 
     p = verbs.add_parser("convert", help="convert a checkpoint between the zaya and Hugging Face layouts")
     p.add_argument("--to", required=True, choices=("hf", "zaya"), help="layout to write")

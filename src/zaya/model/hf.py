@@ -26,8 +26,7 @@ from safetensors.torch import save_file
 from safetensors import safe_open
 
 from zaya.config import ConfigError, ModelConfig, model_config_from_dict, to_dict
-from zaya.model.io import (atomic_directory, build_from_state_dict, expected_shapes, is_zaya_checkpoint,
-                           load_checkpoint, read_safetensors, save_checkpoint)
+from zaya.model.io import atomic_directory, build_from_state_dict, expected_shapes, read_safetensors
 from zaya.model.zaya import ZayaForCausalLM
 
 # (zaya suffix, HF suffix) for tensors inside decoder layer i: "blocks.{i}." <-> "model.layers.{i}.".
@@ -78,7 +77,6 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _TO_HF = dict(_RENAMES)
 _FROM_HF = {hf: ours for ours, hf in _RENAMES}
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SHARD_BYTES = 5 * 1024**3
 EXTRAS_FILE = "zaya_extras.safetensors"
 GENERATION_CONFIG = "generation_config.json"
@@ -337,6 +335,14 @@ def _tensor_dtype_name(model: ZayaForCausalLM) -> torch.dtype:
 def save_hf(model: ZayaForCausalLM, directory: str | Path, overwrite: bool = False,
             max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write ``model`` in the Hugging Face zaya layout (sharded above ``max_shard_bytes``), atomically."""
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        write_hf(model, tmp, max_shard_bytes)
+    return Path(directory)
+
+
+def write_hf(model: ZayaForCausalLM, directory: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """The files of the Hugging Face layout, written into the existing (empty, temporary) ``directory``; not atomic
+    by itself: ``save_hf`` and ``zaya.checkpoint.export`` call it inside ``atomic_directory``."""
     config = hf_config_from_model_config(model.config, getattr(model, "hf_config", None), _tensor_dtype_name(model))
     tensors = hf_state_dict(model)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -348,48 +354,33 @@ def save_hf(model: ZayaForCausalLM, directory: str | Path, overwrite: bool = Fal
             size = 0
         shards[-1][name] = tensor
         size += nbytes
-    with atomic_directory(directory, overwrite=overwrite) as tmp:
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                weight_map.update({k: fname for k in shard})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        generation = getattr(model, "hf_generation_config", None)
-        if generation is not None:
-            (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-        extras = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
-                  if zaya_to_hf_name(k) is None}
-        save_file(extras, str(tmp / EXTRAS_FILE),
-                  metadata={"format": "pt", "zaya_model_config": json.dumps(to_dict(model.config))})
-    return Path(directory)
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(directory / fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = getattr(model, "hf_generation_config", None)
+    if generation is not None:
+        (directory / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    extras = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+              if zaya_to_hf_name(k) is None}
+    save_file(extras, str(directory / EXTRAS_FILE),
+              metadata={"format": "pt", "zaya_model_config": json.dumps(to_dict(model.config))})
 
 
 def convert(src: str | Path, dst: str | Path, to: str, dtype: str = "keep", overwrite: bool = False) -> Path:
-    """Convert between the zaya and Hugging Face layouts (``to`` = "hf" or "zaya"); lossless with dtype="keep"."""
-    src, dst = Path(src), Path(dst)
+    """Convert between the zaya and Hugging Face layouts (``to`` = "hf" or "zaya"); lossless with dtype="keep".
+
+    ``zaya.checkpoint.export.export`` with format "hf" or "safetensors" (zaya's layout): any source it takes."""
     if to not in ("hf", "zaya"):
         raise ValueError(f"--to must be 'hf' or 'zaya', got {to!r}")
-    if dtype != "keep" and dtype not in _DTYPES:
-        raise ValueError(f"--dtype must be 'keep' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    if src.resolve() == dst.resolve():
-        raise ValueError(f"source and destination are the same directory ({src})")
-    if not src.is_dir():
-        raise FileNotFoundError(f"{src} is not a directory")
-    torch_dtype = None if dtype == "keep" else _DTYPES[dtype]
-    if is_zaya_checkpoint(src):
-        model = load_checkpoint(src, torch_dtype)
-    elif (src / "config.json").is_file():
-        model = load_hf(src, torch_dtype)
-    else:
-        raise FileNotFoundError(f"{src} is neither a zaya checkpoint (zaya.json) nor a Hugging Face directory "
-                                "(config.json)")
-    if to == "hf":
-        return save_hf(model, dst, overwrite=overwrite)
-    return save_checkpoint(model, dst, overwrite=overwrite)
+    from zaya.checkpoint.export import export
+
+    return export(src, dst, format="hf" if to == "hf" else "safetensors", dtype=dtype, overwrite=overwrite)

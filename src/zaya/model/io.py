@@ -85,6 +85,14 @@ def _keeps_fp32(name: str) -> bool:
 def save_checkpoint(model: ZayaForCausalLM, directory: str | Path, overwrite: bool = True,
                     hf_config: dict[str, Any] | None = None) -> Path:
     """Write ``model`` as a zaya checkpoint directory (atomically)."""
+    with atomic_directory(directory, overwrite=overwrite) as tmp:
+        write_checkpoint(model, tmp, hf_config)
+    return Path(directory)
+
+
+def write_checkpoint(model: ZayaForCausalLM, directory: Path, hf_config: dict[str, Any] | None = None) -> None:
+    """The files of a zaya checkpoint, written into the existing (empty, temporary) ``directory``; not atomic by
+    itself: ``save_checkpoint`` and ``zaya.checkpoint.export`` call it inside ``atomic_directory``."""
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     meta: dict[str, Any] = {"format": FORMAT_TAG, "version": FORMAT_VERSION, "model": to_dict(model.config)}
     if hf_config is not None:
@@ -93,10 +101,8 @@ def save_checkpoint(model: ZayaForCausalLM, directory: str | Path, overwrite: bo
         meta["hf_config"] = model.hf_config
     if getattr(model, "hf_generation_config", None) is not None:
         meta["hf_generation_config"] = model.hf_generation_config
-    with atomic_directory(directory, overwrite=overwrite) as tmp:
-        save_file(state, str(tmp / ZAYA_WEIGHTS), metadata={"format": "pt"})
-        (tmp / ZAYA_META).write_text(json.dumps(meta, indent=2) + "\n")
-    return Path(directory)
+    save_file(state, str(directory / ZAYA_WEIGHTS), metadata={"format": "pt"})
+    (directory / ZAYA_META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def is_zaya_checkpoint(directory: str | Path) -> bool:

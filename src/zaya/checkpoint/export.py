@@ -1,0 +1,95 @@
+"""One consolidated, inference-ready copy of a model: ``zaya export`` (and ``zaya convert``, which uses it too).
+
+The source is anything ``zaya generate`` accepts (``consolidate.resolve_checkpoint``): a run directory (its newest
+complete checkpoint), one training checkpoint (DCP, whatever world size and parallel mode wrote it: its shards are
+reassembled in this process), a zaya checkpoint or a Hugging Face ``zaya`` directory. It is written in one of two
+layouts (both hold the weights as safetensors; they differ in names and metadata):
+
+- ``hf``: the Hugging Face ``zaya`` layout, config.json + model*.safetensors (``zaya.model.hf``), which
+  ``transformers`` loads as well as ``zaya.load_pretrained``;
+- ``safetensors``: zaya's own checkpoint directory, zaya.json + model.safetensors (``zaya.model.io``).
+
+The tokenizer.json found with the source (``consolidate.find_tokenizer``) is copied along, so ``zaya generate`` and
+``zaya eval`` take the export as it is. Everything, the tokenizer included, is written into a temporary sibling
+directory that is renamed into place only when complete (``zaya.fsutil.atomic_directory``): an interrupted export
+leaves no half-written destination, and with ``overwrite`` an existing one is replaced only once the new one is
+complete. A non-empty destination is refused without ``overwrite``, and one that is (or holds) the source always.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+FORMATS = {"hf": "Hugging Face zaya layout", "safetensors": "zaya checkpoint"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: str = "keep", overwrite: bool = False,
+           log: Callable[[str], None] | None = None) -> Path:
+    """Write the model at ``checkpoint`` into the directory ``to`` in ``format`` ("hf" or "safetensors"); returns
+    ``to``.
+
+    ``dtype`` "keep" (the default) writes every tensor exactly as stored (for a training checkpoint: the fp32 master
+    weights); "float32", "bfloat16" or "float16" casts the floating-point weights, except the router's balancing
+    state, which stays fp32. ``overwrite`` replaces an existing non-empty ``to`` (an empty one is always used).
+    ``log``, when given, receives one line saying what was written.
+    """
+    from zaya.checkpoint.consolidate import TOKENIZER, describe, load_for_inference
+    from zaya.fsutil import atomic_directory
+    from zaya.model.hf import write_hf
+    from zaya.model.io import write_checkpoint
+
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; choose " + " or ".join(
+            f"{name!r} ({what})" for name, what in FORMATS.items()))
+    if dtype != "keep" and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose 'keep' or one of {', '.join(map(repr, DTYPES))}")
+    source, to = Path(checkpoint), Path(to)
+    if not source.exists():
+        raise FileNotFoundError(f"{source}: no such checkpoint or run directory")
+    replace = _check_destination(to, source, overwrite)  # before loading: a refusal should not take minutes
+
+    model, tokenizer, directory = load_for_inference(source)
+    if dtype != "keep":
+        model = _cast(model, DTYPES[dtype])
+    with atomic_directory(to, overwrite=replace) as tmp:
+        (write_hf if format == "hf" else write_checkpoint)(model, tmp)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+    if log is not None:
+        params = list(model.parameters())
+        dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
+        log(f"wrote {to}: {format} ({FORMATS[format]}), {sum(p.numel() for p in params):,} parameters, {dtypes}, "
+            f"from {describe(directory)}; " + (f"{TOKENIZER} copied" if tokenizer is not None else
+                                              f"no {TOKENIZER} found with the source (generate will need --tokenizer)"))
+    return to
+
+
+def _check_destination(to: Path, source: Path, overwrite: bool) -> bool:
+    """Whether ``to`` exists and is to be replaced; refuses a destination that would destroy the source or files."""
+    dst, src = to.resolve(), source.resolve()
+    if dst == src or dst in src.parents:
+        raise ValueError(f"{to} {'is' if dst == src else 'contains'} the source checkpoint {source}; export to "
+                         "another directory")
+    if not to.exists():
+        return False
+    if not to.is_dir():
+        raise FileExistsError(f"{to} exists and is not a directory; choose another destination")
+    if not overwrite and any(to.iterdir()):
+        raise FileExistsError(f"{to} already exists and is not empty; pass --force (overwrite=True) to replace it "
+                              "(the old directory is removed only once the new export is complete)")
+    return True
+
+
+def _cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model`` in ``dtype`` the way a conversion on load makes it (``io.build_from_state_dict``)."""
+    from zaya.model.io import build_from_state_dict
+
+    cast = build_from_state_dict(model.config, model.state_dict(), "export", dtype)
+    cast.hf_config = getattr(model, "hf_config", None)  # carried so that an imported config.json is written back
+    cast.hf_generation_config = getattr(model, "hf_generation_config", None)
+    return cast.eval()
