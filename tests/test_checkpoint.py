@@ -344,3 +344,24 @@ def test_moved_config_keys_name_their_new_place(tmp_path):
         load_config(cfg)
     with pytest.raises(ConfigError, match='checkpoint.when_busy = .later.: must be "wait" or "skip"'):
         CheckpointConfig(when_busy="later")
+
+
+@pytest.mark.parametrize("on_error", ["continue", "stop"])
+def test_trainer_survives_failing_saves_unless_told_to_stop(tmp_path, micro_config, file_size_limit, on_error):
+    from zaya.config import load_config
+    from zaya.train.trainer import TrainingError, train
+
+    run = tmp_path / "run"
+    config = load_config(micro_config(run), ["train.max_steps=4", "checkpoint.every=2", "train.eval_every=0",
+                                             "train.sample_tokens=0", f'checkpoint.on_error="{on_error}"'])
+    file_size_limit(True)
+    try:
+        if on_error == "continue":
+            summary = train(config, resume="never")
+            assert summary["step"] == 4 and summary["finished"] and summary["checkpoint"] == ""
+        else:
+            with pytest.raises(TrainingError, match='checkpoint of step 2 failed.*on_error = "stop"'):
+                train(config, resume="never")
+    finally:
+        file_size_limit(False)
+    assert list_checkpoints(run / "checkpoints") == [] and not list((run / "checkpoints").glob(".*partial"))
