@@ -4,7 +4,7 @@
 #   make setup TORCH_SPEC="..."     choose the torch to install when .venv has none (GPU builds)
 #   make train [CONFIG=...]         train the tiny model on the built-in corpus (CPU)
 #   make test [PYTEST_ARGS=...]     run the fast test suite
-#   make bench                      run the benchmarks (moe_block, data_loader, muon)
+#   make bench                      run the benchmarks (moe_block, data_loader, muon, checkpoint)
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -42,6 +42,7 @@ bench: setup
 	$(PY) benchmarks/moe_block.py
 	$(PY) benchmarks/data_loader.py
 	$(PY) benchmarks/muon.py
+	$(PY) benchmarks/checkpoint.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

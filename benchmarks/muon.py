@@ -38,6 +38,8 @@ import sys
 import time
 
 import torch
+
+import quiet  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -73,25 +75,8 @@ def make_set(shapes, device, seed=0):
     return params, grads
 
 
-def cpu_busy(interval: float = 0.5) -> float:
-    def read():
-        v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-        return sum(v), v[3] + v[4]
-
-    t0, i0 = read()
-    time.sleep(interval)
-    t1, i1 = read()
-    return 1 - (i1 - i0) / max(1, t1 - t0)
-
-
 def wait_quiet(device: torch.device, max_busy: float = 0.10, timeout: float = 120.0) -> bool:
-    if device.type != "cpu" or not os.path.exists("/proc/stat"):
-        return True
-    start = time.time()
-    while time.time() - start < timeout:
-        if cpu_busy() <= max_busy:
-            return True
-    return False
+    return device.type != "cpu" or quiet.wait_quiet(max_busy, timeout)
 
 
 def timed_step(opt, device) -> float:

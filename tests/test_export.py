@@ -184,6 +184,20 @@ def test_incomplete_checkpoint_is_refused(tmp_path, capsys, run):
         assert not out.exists()
 
 
+def test_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, capsys, run):
+    bad = tmp_path / "bad-run"
+    shutil.copytree(run, bad)
+    victim = max((bad / "checkpoints" / step_dir(run).name).glob("*.distcp"), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    assert main(["export", "--checkpoint", str(bad), "--to", str(out)]) == 2
+    err = one_line_error(capsys)
+    assert victim.name in err and "fails its checksum" in err
+    assert not out.exists()
+
+
 def test_missing_source_and_unknown_format_are_one_line_errors(tmp_path, capsys, run):
     out = tmp_path / "out"
     assert main(["export", "--checkpoint", str(tmp_path / "nope"), "--to", str(out)]) == 2

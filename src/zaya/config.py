@@ -283,8 +283,11 @@ class CheckpointConfig:
     final and on-signal saves always complete before the process exits)."""
     when_busy: str = "wait"
     """A save falls due while the previous one is still writing: "wait" for it, or "skip" the new one."""
-    verify: str = "sha256"
-    """Checks before a checkpoint is loaded: "sha256" (every file's size and checksum) or "size" (sizes only)."""
+    checksum: str = "crc32"
+    """Checksum of every file in the COMMIT marker: "crc32" (fast; guards against torn writes and bit rot) or
+    "sha256" (cryptographic; about half the speed)."""
+    verify: str = "checksum"
+    """Checks before a checkpoint is loaded: "checksum" (every file's size and checksum) or "size" (sizes only)."""
     ram_tier: bool = True
     """Keep the newest checkpoint in host shared memory too (each rank its own part), so a restart after a crash
     at the same world size and parallel mode loads from RAM; disk otherwise."""
@@ -300,7 +303,8 @@ class CheckpointConfig:
         for key in ("every", "keep_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"checkpoint.{key} = {getattr(self, key)!r}: must be >= 0")
-        for key, choices in (("when_busy", ("wait", "skip")), ("verify", ("sha256", "size")),
+        for key, choices in (("when_busy", ("wait", "skip")), ("checksum", ("crc32", "sha256")),
+                             ("verify", ("checksum", "size")),
                              ("on_error", ("continue", "stop"))):
             if getattr(self, key) not in choices:
                 raise ConfigError(f"checkpoint.{key} = {getattr(self, key)!r}: must be "

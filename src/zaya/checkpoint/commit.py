@@ -1,12 +1,17 @@
 """What makes a checkpoint directory valid: its COMMIT marker, and the checks made against it before a load.
 
-``COMMIT`` is written last, after every rank's files are on disk, and lists each file with its size and sha256::
+``COMMIT`` is written last, after every rank's files are on disk, and lists each file with its size and checksum
+(``crc32`` by default, or ``sha256``; the key names the algorithm)::
 
-    {"format": 2, "step": 100, "files": {".metadata": {"size": 1234, "sha256": "..."}, ...}}
+    {"format": 2, "step": 100, "files": {".metadata": {"size": 1234, "crc32": "9a3b..."}, ...}}
 
 A directory without a readable marker, or with a listed file missing or of another size, is *incomplete* and is
-never loaded. ``verify`` goes further and recomputes the checksums (spread over the ranks by the caller), which
+never loaded. Verification goes further and recomputes the checksums (spread over the ranks by the caller), which
 finds a flipped byte as well as a torn write. Markers of format 1 (sizes only) are still read; they verify by size.
+
+Why crc32 by default: the checksum guards against torn writes, bit rot and truncation, not against an adversary,
+and zlib's crc32 runs at about 4 GB/s per core here against sha256's 1.8 GB/s, which matters when every save
+hashes every byte.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,9 +35,30 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in large blocks (hashlib releases the GIL while it hashes them)."""
-    digest = hashlib.sha256()
+class _Crc32:
+    """crc32 with hashlib's update/hexdigest interface."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+CHECKSUMS = {"crc32": _Crc32, "sha256": hashlib.sha256}
+"""Checksum algorithms a COMMIT may use, by the key they are stored under."""
+
+
+def new_checksum(algorithm: str):
+    return CHECKSUMS[algorithm]()
+
+
+def checksum_file(path: Path, algorithm: str = "crc32") -> str:
+    """Hex checksum of a file, read in large blocks (zlib and hashlib release the GIL while they hash them)."""
+    digest = new_checksum(algorithm)
     with open(path, "rb", buffering=0) as fh:
         buf = bytearray(_HASH_BLOCK)
         view = memoryview(buf)
@@ -46,7 +73,8 @@ def sha256_file(path: Path) -> str:
 @dataclass(frozen=True)
 class FileRecord:
     size: int
-    sha256: str | None  # None in format-1 markers
+    algorithm: str | None = None  # None in format-1 markers (sizes only)
+    checksum: str | None = None
 
 
 def read_commit(path: Path) -> dict[str, FileRecord] | None:
@@ -61,7 +89,8 @@ def read_commit(path: Path) -> dict[str, FileRecord] | None:
         if isinstance(entry, int):
             records[name] = FileRecord(entry, None)
         elif isinstance(entry, dict) and isinstance(entry.get("size"), int):
-            records[name] = FileRecord(entry["size"], entry.get("sha256"))
+            algorithm = next((a for a in CHECKSUMS if isinstance(entry.get(a), str)), None)
+            records[name] = FileRecord(entry["size"], algorithm, entry.get(algorithm) if algorithm else None)
         else:
             return None
     return records
@@ -71,7 +100,8 @@ def write_commit(path: Path, step: int, files: dict[str, FileRecord]) -> None:
     from zaya.fsutil import atomic_write_text
 
     body = {"format": COMMIT_FORMAT, "step": step,
-            "files": {name: {"size": r.size, "sha256": r.sha256} for name, r in sorted(files.items())}}
+            "files": {name: {"size": r.size, **({r.algorithm: r.checksum} if r.algorithm else {})}
+                      for name, r in sorted(files.items())}}
     atomic_write_text(path / COMMIT, json.dumps(body, indent=1) + "\n")
 
 
@@ -95,17 +125,18 @@ def is_complete(path: Path) -> bool:
 
 
 def checksum_problem(path: Path, names: list[str], records: dict[str, FileRecord]) -> str | None:
-    """Recompute the sha256 of ``names`` (a subset of the marker's files); the first mismatch, or None."""
+    """Recompute the checksums of ``names`` (a subset of the marker's files); the first mismatch, or None."""
     for name in names:
-        expected = records[name].sha256
-        if expected is None:
+        record = records[name]
+        if record.algorithm is None:
             continue
         try:
-            actual = sha256_file(path / name)
+            actual = checksum_file(path / name, record.algorithm)
         except OSError as err:
             return f"{path / name} cannot be read ({err})"
-        if actual != expected:
-            return f"{path / name} fails its checksum (sha256 {actual[:16]}..., {COMMIT} says {expected[:16]}...)"
+        if actual != record.checksum:
+            return (f"{path / name} fails its checksum ({record.algorithm} {actual[:16]}, {COMMIT} says "
+                    f"{record.checksum[:16]})")
     return None
 
 

@@ -1,5 +1,6 @@
 """Load a model for inference from whatever the user points at: a run directory, one training checkpoint, a zaya
-checkpoint directory, or a Hugging Face ``zaya`` directory. Used by ``zaya generate`` and ``zaya eval``.
+checkpoint directory, or a Hugging Face ``zaya`` directory. Used by ``zaya generate``, ``zaya eval`` and ``zaya
+export``. A training checkpoint must be complete and pass its checksums: a corrupt file is named, never loaded.
 
 A training checkpoint (DCP, possibly written by many ranks) is read whole into one process: DCP reassembles the
 shards, whatever world size or parallel mode wrote them.
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from zaya.checkpoint.commit import is_complete, latest_checkpoint, read_meta
+from zaya.checkpoint.commit import checksum_problem, is_complete, latest_checkpoint, read_commit, read_meta
 from zaya.checkpoint.errors import CheckpointError
 
 TOKENIZER = "tokenizer.json"
@@ -57,6 +58,10 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
     if kind == "training":
         import torch.distributed.checkpoint as dcp
 
+        records = read_commit(directory)  # complete (resolve_checkpoint checked): now the checksums too
+        problem = checksum_problem(directory, sorted(records), records)
+        if problem is not None:
+            raise CheckpointError(f"{directory}: cannot be loaded: {problem}")
         meta = read_meta(directory)
         model = ZayaForCausalLM(model_config_from_dict(meta["model_config"], f"{directory}/meta.json"))
         state = {"model": model.state_dict()}

@@ -67,18 +67,26 @@ def local_view(value: Any) -> Any:
     return value
 
 
-def like_live(saved: Any, live: Any) -> Any:
-    """``saved`` (from ``local_view``) with each local shard re-wrapped as a DTensor where ``live`` has one."""
-    if _is_dtensor(live):
-        from torch.distributed.tensor import DTensor
+def copy_into_live(saved: Any, live: Any) -> Any:
+    """Copy ``saved`` (a ``local_view``, e.g. memory-mapped from a file) into the tensors of ``live`` (the live
+    state dict, whose tensors are the model's parameters and the optimizer's state), in place, and return the
+    state to hand to ``set_state_dict``: ``live``'s tensors where they took the data, ``saved``'s other values.
 
-        local = saved.to(live.to_local().device)
-        return DTensor.from_local(local, live.device_mesh, live.placements, run_check=False, shape=live.shape,
-                                  stride=live.stride())
+    Copying matters: a tensor handed over as it is would stay a copy-on-write mapping of the file, so the first
+    optimizer step would fault on every page, and the file's memory could not be freed while the run lasts.
+    """
+    if isinstance(saved, torch.Tensor) and (_is_dtensor(live) or isinstance(live, torch.Tensor)):
+        target = live.to_local() if _is_dtensor(live) else live
+        if target.shape == saved.shape and target.dtype == saved.dtype:
+            target.copy_(saved)
+            return live
+        return saved.clone()  # a mismatch that set_state_dict will report; never a mapping of the file
     if isinstance(live, dict) and isinstance(saved, dict):
-        return {k: like_live(v, live.get(k)) for k, v in saved.items()}
+        return {k: copy_into_live(v, live.get(k)) for k, v in saved.items()}
     if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)) and len(live) == len(saved):
-        return type(saved)(like_live(s, v) for s, v in zip(saved, live))
+        return type(saved)(copy_into_live(s, v) for s, v in zip(saved, live))
+    if isinstance(saved, torch.Tensor):
+        return saved.clone()
     return saved
 
 

@@ -6,20 +6,20 @@ Layout under ``<run_dir>/checkpoints/``::
         .metadata, __*_*.distcp   torch.distributed.checkpoint (DCP) files: model and optimizer state; every rank
                                   writes its own part, nothing is gathered to rank 0
         meta.json              step, tokens, data-loader state, RNG states, the model config, world size, mode
-        COMMIT                 written last: every file's size and sha256 (see commit.py)
+        COMMIT                 written last: every file's size and checksum (see commit.py)
     .step-00000200.partial/   a save in progress (or one that died): never loaded, removed by the next save
     corrupt-step-00000300/    a checkpoint that failed verification, moved aside (kept for inspection)
 
 **Save** (collective: every rank calls ``save``). The state is written into the ``.partial`` directory by DCP,
-each rank checksums the files it wrote, rank 0 gathers the checksums, writes ``meta.json`` and ``COMMIT`` and
-renames the directory into place. A crash at any point leaves the previous checkpoint as the newest valid one; a
+each rank checksumming the files it writes as it writes them (writer.py); rank 0 gathers the checksums, writes
+``meta.json`` and ``COMMIT`` and renames the directory into place. A crash at any point leaves the previous checkpoint as the newest valid one; a
 failed save (a full disk, say) removes its partial directory and, by default, lets training go on.
 **Async**: the state is first copied into host memory (the only time training waits), then a background thread
 does all of the above on its own gloo process group, so its collectives never interleave with training's. At most
 one save is in flight; a save that falls due while one is writing waits for it or is skipped (``when_busy``).
 
-**Load**: ``select`` finds the newest checkpoint that passes verification (sizes, and sha256 spread over the
-ranks); one that fails is reported, moved aside, and the previous one is tried: never a crash loop, never a silent
+**Load**: ``select`` finds the newest checkpoint that passes verification (sizes, and checksums spread over
+the ranks); one that fails is reported, moved aside, and the previous one is tried: never a crash loop, never a silent
 load of a bad file. If every rank holds a RAM-tier copy of that step (ram_tier.py), ``load`` reads it from host
 memory instead of disk. Keys are fully qualified parameter names (``torch.distributed.checkpoint.state_dict``),
 so a disk checkpoint loads under another world size or another of DDP / ZeRO-1 / FSDP2.
@@ -47,14 +47,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from zaya.checkpoint.commit import (COMMIT, META, STEP_DIR, FileRecord, checksum_problem, is_complete,
-                                    latest_checkpoint, list_checkpoints, read_commit, read_meta, sha256_file,
+from zaya.checkpoint.commit import (COMMIT, META, STEP_DIR, FileRecord, checksum_file, checksum_problem,
+                                    is_complete, latest_checkpoint, list_checkpoints, new_checksum, read_commit,
+                                    read_meta,
                                     share_of_files, size_problem, step_dir_name, write_commit)
 from zaya.checkpoint.errors import CheckpointError
 from zaya.checkpoint.ram_tier import RamTier, ram_tier_directory
-from zaya.checkpoint.staging import like_live, local_view, stage, tensor_bytes
+from zaya.checkpoint.staging import copy_into_live, local_view, stage, tensor_bytes
+from zaya.checkpoint.writer import ChecksummingWriter
 from zaya.config import CheckpointConfig
-from zaya.fsutil import atomic_write_text, replace_directory
+from zaya.fsutil import atomic_write_bytes, replace_directory
 
 __all__ = ["COMMIT", "META", "CheckpointError", "CheckpointStore", "SaveOutcome", "check_model_config",
            "is_complete", "latest_checkpoint", "list_checkpoints", "read_meta", "step_dir_name"]
@@ -176,13 +178,15 @@ class CheckpointStore:
         return self._thread is not None
 
     def save(self, step: int, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-             meta: dict[str, Any], blocking: bool | None = None) -> SaveOutcome | None:
+             meta: dict[str, Any], blocking: bool | None = None, ram_copy: bool = True) -> SaveOutcome | None:
         """Checkpoint ``step``. Blocking (``blocking=True``, or ``async_save = false``): returns the outcome once
         committed (or failed). Otherwise returns None once the state is staged; the write goes on in the
         background and ``wait`` (or the next save) collects its outcome. Returns None too when the save is
-        skipped because the previous one is still writing (``when_busy = "skip"``)."""
+        skipped because the previous one is still writing (``when_busy = "skip"``). ``ram_copy=False`` leaves the
+        RAM tier out of this save (a run's final checkpoint: nothing will restart from it in a hurry)."""
         blocking = (not self.config.async_save) if blocking is None else blocking
         meta = copy.deepcopy(meta)  # the caller's loader/RNG state as of now, whatever happens to it meanwhile
+        meta["step"] = step
         t0 = time.perf_counter()
         if self._thread is not None:
             busy = self._any(self._thread.is_alive())
@@ -195,7 +199,7 @@ class CheckpointStore:
         state = {"model": model_sd, "optim": optim_sd}
         nbytes = tensor_bytes(state)
         if blocking:
-            outcome = self._write(step, state, meta)
+            outcome = self._write(step, state, meta, ram_copy)
             outcome.nbytes, outcome.seconds = nbytes, time.perf_counter() - t0
             outcome.blocked_seconds = outcome.seconds
             self._settle(outcome)
@@ -206,14 +210,16 @@ class CheckpointStore:
 
         def run() -> None:
             try:
-                outcome = self._write(step, staged, meta)
+                outcome = self._write(step, staged, meta, ram_copy)
             except BaseException as exc:  # noqa: BLE001 - reported through the outcome, never lost in a thread
                 outcome = SaveOutcome(step, False, error=_describe(exc))
             outcome.nbytes, outcome.blocked_seconds, outcome.asynchronous = nbytes, blocked, True
             outcome.seconds = time.perf_counter() - t0
             self._result = outcome
 
-        self._thread = threading.Thread(target=run, name=f"zaya-checkpoint-{step}", daemon=True)
+        # Not a daemon: an interpreter that exits (even without close()) first lets the save finish, instead of
+        # killing the thread inside torch's writer (which aborts the process). Only a hard kill leaves a partial.
+        self._thread = threading.Thread(target=run, name=f"zaya-checkpoint-{step}", daemon=False)
         self._thread.start()
         return None
 
@@ -259,7 +265,7 @@ class CheckpointStore:
             raise CheckpointError(message + ' (checkpoint.on_error = "stop")')
         self.log(f"warning: {message}; training goes on (set checkpoint.on_error = \"stop\" to stop instead)")
 
-    def _write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> SaveOutcome:
+    def _write(self, step: int, state: dict[str, Any], meta: dict[str, Any], ram_copy: bool) -> SaveOutcome:
         """Write, checksum, commit: the collective body of a save (on the job process group)."""
         final = self.directory / step_dir_name(step)
         partial = self.directory / f".{final.name}.partial"
@@ -279,16 +285,17 @@ class CheckpointStore:
 
         local_error, records, pending = None, {}, None
         try:
-            dcp.save(state, checkpoint_id=str(partial), process_group=group, no_dist=not self.distributed)
+            writer = ChecksummingWriter(partial, self.config.checksum)
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=not self.distributed)
         except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank's write fails
             local_error = _describe(exc, self.directory, tensor_bytes(state))
         if local_error is None:
             try:
-                records = self._checksum_own_files(partial)
+                records = self._checksum_own_files(partial, writer.checksums(partial))
             except OSError as exc:
                 local_error = _describe(exc)
         notes: list[str] = []
-        if local_error is None and self.ram is not None:
+        if local_error is None and self.ram is not None and ram_copy:
             pending = self._write_ram(state, step, notes)
         gathered = self._gather((local_error, records), group)
 
@@ -306,7 +313,7 @@ class CheckpointStore:
             if not outcome.ok:
                 shutil.rmtree(partial, ignore_errors=True)
         outcome = self._broadcast(outcome, group)
-        if self.ram is not None:
+        if self.ram is not None and ram_copy:
             if outcome.ok and pending is not None:
                 try:
                     self.ram.publish(pending, step)
@@ -318,8 +325,9 @@ class CheckpointStore:
         outcome.notes = tuple(notes)
         return outcome
 
-    def _checksum_own_files(self, partial: Path) -> dict[str, FileRecord]:
-        """Size and sha256 of the files this rank wrote (rank 0 also takes any file no rank's name claims)."""
+    def _checksum_own_files(self, partial: Path, written: dict[str, FileRecord]) -> dict[str, FileRecord]:
+        """Size and checksum of the files this rank wrote (rank 0 also takes any file no rank's name claims):
+        from the writer, which checksummed them on the way out, or else by reading them back."""
         records = {}
         for f in sorted(partial.iterdir()):
             if not f.is_file():
@@ -327,7 +335,8 @@ class CheckpointStore:
             match = _RANK_FILE.match(f.name)
             owner = int(match.group(1)) if match and int(match.group(1)) < self.world_size else 0
             if owner == self.rank:
-                records[f.name] = FileRecord(f.stat().st_size, sha256_file(f))
+                records[f.name] = written.get(f.name) or FileRecord(
+                    f.stat().st_size, self.config.checksum, checksum_file(f, self.config.checksum))
         return records
 
     def _write_ram(self, state: dict[str, Any], step: int, notes: list[str]) -> Path | None:
@@ -347,8 +356,11 @@ class CheckpointStore:
 
     def _commit(self, step: int, partial: Path, final: Path, meta: dict[str, Any],
                 records: dict[str, FileRecord]) -> SaveOutcome:
-        atomic_write_text(partial / META, json.dumps(meta, indent=1) + "\n")
-        records[META] = FileRecord((partial / META).stat().st_size, sha256_file(partial / META))
+        body = (json.dumps(meta, indent=1) + "\n").encode()
+        atomic_write_bytes(partial / META, body)
+        digest = new_checksum(self.config.checksum)
+        digest.update(body)
+        records[META] = FileRecord(len(body), self.config.checksum, digest.hexdigest())
         write_commit(partial, step, records)
         replace_directory(partial, final)  # re-saving a step (after a resume) swaps the old one out
         self._retain()
@@ -378,7 +390,7 @@ class CheckpointStore:
         """Collective: why ``path`` must not be loaded, or None. Checksums are split over the ranks."""
         records = read_commit(path)
         problem = size_problem(path, records)
-        if problem is None and self.config.verify == "sha256":
+        if problem is None and self.config.verify == "checksum":
             problem = checksum_problem(path, share_of_files(records, self.rank, self.world_size), records)
         problems = [p for p in self._gather(problem, self._ctl_pg) if p]
         return problems[0] if problems else None
@@ -443,9 +455,11 @@ class CheckpointStore:
         from_ram = self._ram_step is not None and self._ram_step == meta["step"] and self.ram is not None
         if from_ram:
             saved = self.ram.read()
-            state = {"model": like_live(saved["model"], model_sd)}
-            if optimizers:
-                state["optim"] = like_live(saved["optim"], optim_sd)
+            with torch.no_grad():
+                state = {"model": copy_into_live(saved["model"], model_sd)}
+                if optimizers:
+                    state["optim"] = copy_into_live(saved["optim"], optim_sd)
+            del saved  # drop the file mapping
         else:
             check_tensor_shapes(path, model_sd)
             state = {"model": model_sd}

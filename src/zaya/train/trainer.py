@@ -38,7 +38,8 @@ CHECKPOINTS = "checkpoints"
 
 # Keys that may differ when a run is resumed (they change how the run is driven, not what it computes).
 # Every [checkpoint] key may change too (how often and how checkpoints are written is not part of the run).
-_RESUMABLE_CHANGES = {"train.max_steps", "train.log_every", "train.eval_every", "train.timeout_s", "train.startup_timeout_s", "train.peak_flops",
+_RESUMABLE_CHANGES = {"train.max_steps", "train.log_every", "train.eval_every", "train.timeout_s",
+                      "train.startup_timeout_s", "train.peak_flops",
                       "train.on_nan", "train.max_skipped_steps", "train.sample_prompt", "train.sample_tokens",
                       "train.tensorboard", "train.run_dir", "train.parallel", "train.micro_batch_size",
                       "data.prefetch", "data.cache_dir"}
@@ -281,7 +282,8 @@ def train(config: Config, resume: str = "auto") -> dict[str, Any]:
                     "model_config": model_config, "world_size": rt.world_size, "parallel": tc.parallel,
                     "reason": why, "time": time.time()}
             try:
-                store.save(at_step, par.module, optimizers, meta, blocking=None if why == "periodic" else True)
+                store.save(at_step, par.module, optimizers, meta, blocking=None if why == "periodic" else True,
+                           ram_copy=why != "final")
             except CheckpointError as err:
                 raise TrainingError(str(err)) from None
 
