@@ -382,3 +382,98 @@ def test_trainer_survives_failing_saves_unless_told_to_stop(tmp_path, micro_conf
     finally:
         file_size_limit(False)
     assert list_checkpoints(run / "checkpoints") == [] and not list((run / "checkpoints").glob(".*partial"))
+
+
+# --- review findings: timelines, stale or damaged RAM copies, interrupted swaps, odd failures ------------------------
+def test_resuming_from_an_older_checkpoint_abandons_the_newer_ones(tmp_path):
+    logs: list[str] = []
+    store = store_for(tmp_path, logs, ram_tier=False, keep=2)
+    model, opts = trained(1)
+    for step in (100, 200, 300):
+        store.save(step, model, opts, {}, blocking=True)
+    old = store.directory / "step-00000200"
+    assert store.select(str(old)) == old
+    assert (store.directory / "abandoned-step-00000300").is_dir() and any("abandoned" in s for s in logs)
+    for step in (250, 260, 270):  # the new timeline
+        store.save(step, model, opts, {}, blocking=True)
+    assert [p.name for p in list_checkpoints(store.directory)] == ["step-00000260", "step-00000270"]
+    assert store.select("auto").name == "step-00000270"
+
+
+def test_a_ram_copy_from_another_run_in_the_same_directory_is_never_loaded(tmp_path):
+    import shutil
+
+    a, a_opts = trained(2, seed=0)
+    store_for(tmp_path).save(2, a, a_opts, {}, blocking=True)  # run A leaves a RAM copy of step 2
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # the run directory is wiped; /dev/shm is not
+    b, b_opts = trained(2, seed=1)
+    store_for(tmp_path).save(2, b, b_opts, {}, blocking=True, ram_copy=False)  # run B: same step, no RAM copy
+    fresh, fresh_opts = make_model(seed=9)
+    restarted = store_for(tmp_path)
+    assert restarted.load(restarted.select("auto"), fresh, fresh_opts)["loaded_from"] == "disk"
+    assert_same(full_state(fresh, fresh_opts), full_state(b, b_opts))
+
+
+def test_resume_never_clears_the_ram_tier_even_when_it_is_off(tmp_path):
+    model, opts = trained(1)
+    on = store_for(tmp_path)
+    on.save(1, model, opts, {}, blocking=True)
+    assert on.ram.info_path.is_file()
+    off = store_for(tmp_path, ram_tier=False)
+    assert off.select("never") is None
+    assert not on.ram.info_path.exists() and not on.ram.data_path.exists()
+
+
+def test_a_damaged_ram_copy_falls_back_to_disk(tmp_path):
+    model, opts = trained(2)
+    want = full_state(model, opts)
+    store = store_for(tmp_path)
+    store.save(2, model, opts, {}, blocking=True)
+    data = bytearray(store.ram.data_path.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    store.ram.data_path.write_bytes(bytes(data))
+    fresh, fresh_opts = make_model(seed=9)
+    restarted = store_for(tmp_path)
+    assert restarted.load(restarted.select("auto"), fresh, fresh_opts)["loaded_from"] == "disk"
+    assert_same(full_state(fresh, fresh_opts), want)
+
+
+def test_a_resave_whose_swap_fails_or_is_cut_short_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    import zaya.fsutil as fsutil
+
+    store = store_for(tmp_path, ram_tier=False)
+    model, opts = trained(1)
+    first = store.save(2, model, opts, {"marker": "first"}, blocking=True).path
+    real, calls = os.replace, []
+
+    def failing_replace(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:  # the new directory into place
+            raise OSError(5, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(fsutil.os, "replace", failing_replace)
+    out = store.save(2, model, opts, {"marker": "second"}, blocking=True)
+    monkeypatch.undo()
+    assert not out.ok and json.loads((first / "meta.json").read_text())["marker"] == "first"
+    assert store.select("auto") == first
+    # A crash between the two renames: only the aside copy is left; the next select puts it back.
+    os.replace(first, first.with_name(".step-00000002.old"))
+    assert store.select("auto") == first and json.loads((first / "meta.json").read_text())["marker"] == "first"
+
+
+def test_any_failure_while_committing_is_an_outcome_not_a_crash(tmp_path):
+    store = store_for(tmp_path, ram_tier=False)
+    model, opts = trained(1)
+    out = store.save(1, model, opts, {"not json": {1, 2}}, blocking=True)
+    assert not out.ok and "TypeError" in out.error and list_checkpoints(store.directory) == []
+    assert not list(store.directory.glob(".*partial"))
+
+
+def test_malformed_commit_markers_are_incomplete_not_errors(tmp_path):
+    store = store_for(tmp_path, ram_tier=False)
+    model, opts = trained(1)
+    path = store.save(1, model, opts, {}, blocking=True).path
+    for body in ('{"files": ["a", "b"]}', '{"files": {"meta.json": true}}', '[]'):
+        (path / COMMIT).write_text(body)
+        assert list_checkpoints(store.directory) == [] and store.select("auto") is None

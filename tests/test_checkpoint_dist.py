@@ -188,3 +188,44 @@ def test_ram_tier_restores_fsdp_shards_at_the_same_world_size(tmp_path, data):
     root = str(tmp_path)
     launch(2, "save", "fsdp", root, data, True)
     launch(2, "load", "fsdp", root, data, True, "ram")
+
+
+def uneven_async_phase(rank: int, world: int, root: str) -> None:
+    """Rank 1's save thread ends later than rank 0's; rank 0 collects its own early (poll_failed), and the next
+    save must still be one collective decision, not a hang."""
+    import time
+
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    store = store_for(root, rank, world, "ddp", ram=False)
+    if rank == 1:
+        real = store._write
+        store._write = lambda *a: (real(*a), time.sleep(1.5))[0]
+    store.save(1, model, [opt], {})
+    time.sleep(0.7)
+    assert not store.poll_failed()
+    assert (store._thread is None) == (rank == 0)  # the asymmetry this test is about
+    store.save(2, model, [opt], {})
+    assert store.wait().ok
+    store.close()
+
+
+def test_async_saves_stay_in_step_when_ranks_finish_at_different_times(tmp_path):
+    mp.spawn(_entry_fn, args=(2, free_port(), uneven_async_phase, str(tmp_path)), nprocs=2, join=True)
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["step-00000001", "step-00000002"]
+
+
+def _entry_fn(rank: int, world: int, port: int, fn, *args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()

@@ -61,7 +61,7 @@ def one_line_error(capsys) -> str:
 
 
 def leftovers(parent: Path) -> list[str]:
-    return [p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    return [p.name for p in parent.iterdir() if ".tmp-" in p.name or p.name.endswith(".old")]
 
 
 @pytest.mark.parametrize("args, files, load", [

@@ -153,7 +153,7 @@ def assert_routing_nontrivial(counts: torch.Tensor, num_experts: int, skip_layer
 
 
 def no_temp_dirs(parent: Path) -> bool:
-    return not [p for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    return not [p for p in parent.iterdir() if ".tmp-" in p.name or p.name.endswith(".old")]
 
 
 # ------------------------------------------------------------------------------------------------------ parity

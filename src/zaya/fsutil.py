@@ -62,14 +62,35 @@ def replace_directory(src: str | Path, dst: str | Path) -> None:
     after ``src`` is in place, so there is never a moment without one of them at ``dst``'s name or its aside."""
     src, dst = Path(src), Path(dst)
     if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        old = aside_name(dst)
         shutil.rmtree(old, ignore_errors=True)
         os.replace(dst, old)
-        os.replace(src, dst)
+        try:
+            os.replace(src, dst)
+        except BaseException:
+            os.replace(old, dst)  # put the old one back: a failed replacement changes nothing
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(src, dst)
     fsync_dir(dst.parent)
+
+
+def aside_name(dst: Path) -> Path:
+    """Where ``replace_directory`` keeps ``dst`` while swapping (``restore_aside`` finds it after a crash)."""
+    return dst.with_name(f".{dst.name}.old")
+
+
+def restore_aside(dst: str | Path) -> None:
+    """Undo a ``replace_directory`` cut short by a crash: bring the old directory back if ``dst`` is missing,
+    else delete the leftover."""
+    dst = Path(dst)
+    old = aside_name(dst)
+    if old.exists():
+        if dst.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, dst)
 
 
 @contextmanager

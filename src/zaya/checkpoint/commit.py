@@ -27,7 +27,7 @@ from typing import Any
 COMMIT = "COMMIT"
 META = "meta.json"
 COMMIT_FORMAT = 2
-STEP_DIR = re.compile(r"^step-(\d{8})$")
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _HASH_BLOCK = 8 << 20
 
 
@@ -84,11 +84,13 @@ def read_commit(path: Path) -> dict[str, FileRecord] | None:
         files = data["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if not isinstance(files, dict):
+        return None
     records: dict[str, FileRecord] = {}
     for name, entry in files.items():
-        if isinstance(entry, int):
+        if isinstance(entry, int) and not isinstance(entry, bool):
             records[name] = FileRecord(entry, None)
-        elif isinstance(entry, dict) and isinstance(entry.get("size"), int):
+        elif isinstance(entry, dict) and isinstance(entry.get("size"), int) and not isinstance(entry["size"], bool):
             algorithm = next((a for a in CHECKSUMS if isinstance(entry.get(a), str)), None)
             records[name] = FileRecord(entry["size"], algorithm, entry.get(algorithm) if algorithm else None)
         else:
@@ -157,7 +159,7 @@ def list_checkpoints(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     found = [p for p in directory.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-    return sorted((p for p in found if is_complete(p)), key=lambda p: p.name)
+    return sorted((p for p in found if is_complete(p)), key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
 def latest_checkpoint(directory: Path) -> Path | None:

@@ -7,11 +7,13 @@ in memory) in a file on a RAM-backed filesystem of its node (``/dev/shm`` by def
 
     /dev/shm/zaya/<run name>-<hash of the run directory>/
         rank-00000.pt      torch.save of rank 0's state (DTensors as their local shards)
-        rank-00000.json    {"step", "world_size", "parallel", "size", "run_dir"}: written after the .pt
+        rank-00000.json    {"step", "save_id", "world_size", "parallel", "size", "crc32", "run_dir"}: written
+                           after the .pt
 
-A restart loads from there only if *every* rank has a copy of the step that is also the newest committed checkpoint
-on disk, saved at the same world size and parallel mode (so each rank's shards are its own again); otherwise it
-loads from disk, which reshards. A copy is published (renamed into place) only after the disk checkpoint of the same
+A restart loads from there only if *every* rank has an intact copy (size and crc32 rechecked) of the very save
+that is the newest committed checkpoint on disk (same step and the same random ``save_id`` as its meta.json, so a
+copy left by another run in the same directory never matches), saved at the same world size and parallel mode (so
+each rank's shards are its own again); otherwise it loads from disk, which reshards. A copy is published (renamed into place) only after the disk checkpoint of the same
 step has committed, so the RAM tier is never ahead of the disk. It lives in memory that outlasts the process: a
 finished run removes it, a run started with ``--resume never`` clears it, and ``checkpoint.ram_tier = false`` turns
 it off.
@@ -72,28 +74,35 @@ class RamTier:
             raise
         return pending
 
-    def publish(self, pending: Path, step: int) -> None:
+    def publish(self, pending: Path, step: int, save_id: str) -> None:
         """Replace the tier's copy with ``pending`` (the info file goes last: it is what makes the copy valid)."""
         self.info_path.unlink(missing_ok=True)
         os.replace(pending, self.data_path)
-        info = {"step": step, "world_size": self.world_size, "parallel": self.parallel,
-                "size": self.data_path.stat().st_size, "run_dir": self.run_dir}
+        info = {"step": step, "save_id": save_id, "world_size": self.world_size, "parallel": self.parallel,
+                "size": self.data_path.stat().st_size, "crc32": _crc32(self.data_path), "run_dir": self.run_dir}
         tmp = self.info_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(info) + "\n")
         os.replace(tmp, self.info_path)
+
+    def invalidate(self) -> None:
+        """Make the current copy (if any) invalid before it is replaced, so no failure can leave a stale one."""
+        self.info_path.unlink(missing_ok=True)
 
     @staticmethod
     def discard(pending: Path | None) -> None:
         if pending is not None:
             pending.unlink(missing_ok=True)
 
-    def holds(self, step: int) -> bool:
-        """This rank has a valid copy of ``step`` saved at this world size and parallel mode."""
+    def holds(self, step: int, save_id: str | None) -> bool:
+        """This rank has an intact copy of the save ``save_id`` of ``step``, at this world size and parallel mode.
+        Reads the whole copy to recheck its crc32 (tmpfs does not rot, but a copy is cheap to check and a wrong
+        one would be loaded silently)."""
         try:
             info = json.loads(self.info_path.read_text())
-            return (info["step"] == step and info["world_size"] == self.world_size
-                    and info["parallel"] == self.parallel and info["run_dir"] == self.run_dir
-                    and self.data_path.stat().st_size == info["size"])
+            return (save_id is not None and info["save_id"] == save_id and info["step"] == step
+                    and info["world_size"] == self.world_size and info["parallel"] == self.parallel
+                    and info["run_dir"] == self.run_dir and self.data_path.stat().st_size == info["size"]
+                    and _crc32(self.data_path) == info["crc32"])
         except (OSError, ValueError, KeyError, TypeError):
             return False
 
@@ -110,3 +119,9 @@ class RamTier:
             self.directory.rmdir()
         except OSError:
             pass
+
+
+def _crc32(path: Path) -> str:
+    from zaya.checkpoint.commit import checksum_file
+
+    return checksum_file(path, "crc32")

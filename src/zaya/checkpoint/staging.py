@@ -35,8 +35,9 @@ def _stage(value: Any, reuse: Any) -> Any:
 
         old_local = reuse.to_local() if _is_dtensor(reuse) else None
         local = _host_copy(value.to_local(), old_local)
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
-                                  stride=value.stride())
+        # The constructor, not DTensor.from_local: from_local moves the local tensor to the mesh's device, which
+        # for a GPU mesh would copy the staged state straight back onto the GPU.
+        return DTensor(local, value._spec, requires_grad=False)
     if isinstance(value, torch.Tensor):
         return _host_copy(value, reuse if isinstance(reuse, torch.Tensor) else None)
     if isinstance(value, dict):

@@ -35,6 +35,7 @@ import re
 import shutil
 import threading
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,7 +57,7 @@ from zaya.checkpoint.ram_tier import RamTier, ram_tier_directory
 from zaya.checkpoint.staging import copy_into_live, local_view, stage, tensor_bytes
 from zaya.checkpoint.writer import ChecksummingWriter
 from zaya.config import CheckpointConfig
-from zaya.fsutil import atomic_write_bytes, replace_directory
+from zaya.fsutil import atomic_write_bytes, replace_directory, restore_aside
 
 __all__ = ["COMMIT", "META", "CheckpointError", "CheckpointStore", "SaveOutcome", "check_model_config",
            "is_complete", "latest_checkpoint", "list_checkpoints", "read_meta", "step_dir_name"]
@@ -134,8 +135,10 @@ class CheckpointStore:
         self._job_pg = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
         self._ctl_pg = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
         run_dir = Path(run_dir) if run_dir is not None else self.directory.parent
-        self.ram = RamTier(ram_tier_directory(run_dir, self.config.ram_dir), run_dir, rank, world_size,
-                           parallel) if self.config.ram_tier else None
+        # The tier's files exist (to clear) even with ram_tier off: a copy an earlier run left must not linger.
+        self._ram_files = RamTier(ram_tier_directory(run_dir, self.config.ram_dir), run_dir, rank, world_size,
+                                  parallel)
+        self.ram = self._ram_files if self.config.ram_tier else None
         self._ram_room_warned = False
         self._staged: dict[str, Any] | None = None
         self._thread: threading.Thread | None = None
@@ -188,12 +191,14 @@ class CheckpointStore:
         meta = copy.deepcopy(meta)  # the caller's loader/RNG state as of now, whatever happens to it meanwhile
         meta["step"] = step
         t0 = time.perf_counter()
+        # Every rank takes part, whether or not it still holds a thread: one rank may already have collected its
+        # finished save (poll_failed) while another's is still writing.
+        busy = self._any(self._thread is not None and self._thread.is_alive())
+        if busy and self.config.when_busy == "skip" and not blocking:
+            self.log(f"checkpoint at step {step} skipped: the previous save is still writing "
+                     '(checkpoint.when_busy = "skip")')
+            return None
         if self._thread is not None:
-            busy = self._any(self._thread.is_alive())
-            if busy and self.config.when_busy == "skip" and not blocking:
-                self.log(f"checkpoint at step {step} skipped: the save of step {self._pending.step} is still "
-                         'writing (checkpoint.when_busy = "skip")')
-                return None
             self.wait()
         model_sd, optim_sd = get_state_dict(model, optimizers, options=StateDictOptions())
         state = {"model": model_sd, "optim": optim_sd}
@@ -270,18 +275,19 @@ class CheckpointStore:
         final = self.directory / step_dir_name(step)
         partial = self.directory / f".{final.name}.partial"
         group = self._job_pg
-        error = None
+        error, save_id = None, None
         if self.rank == 0:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
-                for stale in self.directory.glob(".step-*.partial"):
-                    shutil.rmtree(stale, ignore_errors=True)
+                self._recover_leftovers()
                 partial.mkdir()
+                save_id = uuid.uuid4().hex
             except OSError as exc:
                 error = _describe(exc)
-        error = self._broadcast(error, group)
+        error, save_id = self._broadcast((error, save_id), group)
         if error:
             return SaveOutcome(step, False, error=error)
+        meta["save_id"] = save_id  # also in the RAM tier's info: ties a RAM copy to this very save
 
         local_error, records, pending = None, {}, None
         try:
@@ -295,8 +301,10 @@ class CheckpointStore:
             except OSError as exc:
                 local_error = _describe(exc)
         notes: list[str] = []
-        if local_error is None and self.ram is not None and ram_copy:
-            pending = self._write_ram(state, step, notes)
+        if self.ram is not None and ram_copy:
+            self.ram.invalidate()  # whatever happens next, the copy there now is older than the disk's newest
+            if local_error is None:
+                pending = self._write_ram(state, step, notes)
         gathered = self._gather((local_error, records), group)
 
         outcome = SaveOutcome(step, False)
@@ -308,7 +316,7 @@ class CheckpointStore:
                 try:
                     outcome = self._commit(step, partial, final, meta, {k: v for _, r in gathered
                                                                         for k, v in r.items()})
-                except OSError as exc:
+                except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks as an outcome
                     outcome.error = _describe(exc)
             if not outcome.ok:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -316,8 +324,8 @@ class CheckpointStore:
         if self.ram is not None and ram_copy:
             if outcome.ok and pending is not None:
                 try:
-                    self.ram.publish(pending, step)
-                except OSError as exc:
+                    self.ram.publish(pending, step, save_id)
+                except Exception as exc:  # noqa: BLE001 - the RAM tier is an optimisation: never fail a save
                     RamTier.discard(pending)
                     notes.append(f"RAM tier copy of step {step} not kept ({_describe(exc)}); disk only")
             else:
@@ -350,7 +358,7 @@ class CheckpointStore:
                     self._ram_room_warned = True
                 return None
             return self.ram.write_pending(local, step)
-        except (OSError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the RAM tier is an optimisation: never fail a save
             notes.append(f"RAM tier copy of step {step} failed ({_describe(exc)}); restarts load from disk")
             return None
 
@@ -381,9 +389,17 @@ class CheckpointStore:
         self.wait_quietly()
 
     def forget_ram_tier(self) -> None:
-        """Drop this rank's RAM-tier copy (a finished run, or a run started afresh)."""
-        if self.ram is not None:
-            self.ram.clear()
+        """Drop this rank's RAM-tier copy (a finished run, or a run started afresh), even with the tier off."""
+        self._ram_files.clear()
+
+    def _recover_leftovers(self) -> None:
+        """Rank 0: remove dead saves' partial directories, and undo a re-save's swap that a crash cut short."""
+        if not self.directory.is_dir():
+            return
+        for stale in self.directory.glob(".step-*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for aside in self.directory.glob(".step-*.old"):
+            restore_aside(self.directory / aside.name[1:-len(".old")])
 
     # -------------------------------------------------------------------------------------------------- load
     def _verify(self, path: Path) -> str | None:
@@ -395,12 +411,12 @@ class CheckpointStore:
         problems = [p for p in self._gather(problem, self._ctl_pg) if p]
         return problems[0] if problems else None
 
-    def _move_aside(self, path: Path) -> Path:
-        aside = path.with_name(f"corrupt-{path.name}")
+    def _move_aside(self, path: Path, why: str = "corrupt") -> Path:
+        aside = path.with_name(f"{why}-{path.name}")
         n = 1
         while aside.exists():
             n += 1
-            aside = path.with_name(f"corrupt-{path.name}.{n}")
+            aside = path.with_name(f"{why}-{path.name}.{n}")
         os.replace(path, aside)
         return aside
 
@@ -409,6 +425,9 @@ class CheckpointStore:
         that passes verification; failures are reported and moved aside) or a path (a run directory or one
         checkpoint; it must pass verification)."""
         self._ram_step = None
+        if self.rank == 0:
+            self._recover_leftovers()
+        self._barrier(self._ctl_pg)
         if resume == "never":
             self.forget_ram_tier()
             return None
@@ -424,24 +443,41 @@ class CheckpointStore:
                 done = [p for p in list_checkpoints(path.parent) if p != path]
                 hint = f"; the newest other complete one is {done[-1]}" if done else ""
                 raise CheckpointError(f"{path}: cannot be loaded: {problem}{hint}")
+            self._abandon_newer_than(path)
             return path
 
         candidates = self._broadcast([str(p) for p in list_checkpoints(self.directory)], self._ctl_pg)
         for name in reversed(candidates):
             path = Path(name)
             step = int(STEP_DIR.match(path.name).group(1))
-            if self.ram is not None and not self._any(not self.ram.holds(step)):
+            if self.ram is not None and not self._any(not self.ram.holds(step, _save_id(path))):
                 self._ram_step = step
                 return path
             problem = self._verify(path)
             if problem is None:
                 return path
             if self.rank == 0:
-                aside = self._move_aside(path)
+                aside = self._move_aside(path, "corrupt")
                 self.log(f"warning: checkpoint {path} failed verification ({problem}); moved to {aside}, trying "
                          "the previous one")
             self._barrier(self._ctl_pg)
+        self.forget_ram_tier()  # nothing to resume: a copy there belongs to something else
         return None
+
+    def _abandon_newer_than(self, path: Path) -> None:
+        """Resuming this store's run from an older checkpoint starts a new timeline: the newer checkpoints of the
+        old one are moved aside (``abandoned-step-N``), or retention and the next ``--resume auto`` would prefer
+        them to the new run's saves."""
+        if path.resolve().parent != self.directory.resolve():
+            return
+        if self.rank == 0:
+            step = int(STEP_DIR.match(path.name).group(1))
+            newer = [p for p in list_checkpoints(self.directory) if int(STEP_DIR.match(p.name).group(1)) > step]
+            for p in newer:
+                aside = self._move_aside(p, "abandoned")
+                self.log(f"resuming from {path}: the newer checkpoint {p.name} is moved to {aside.name} (kept, "
+                         "never loaded)")
+        self._barrier(self._ctl_pg)
 
     def load(self, path: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer] | None) -> dict:
         """Load model (and optimizer) state from ``path`` (or from the RAM tier, when ``select`` found every rank
@@ -477,6 +513,13 @@ class CheckpointStore:
             set_model_state_dict(model, state["model"])
         meta["loaded_from"] = "ram" if from_ram else "disk"
         return meta
+
+
+def _save_id(path: Path) -> str | None:
+    try:
+        return json.loads((path / META).read_text()).get("save_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def check_tensor_shapes(path: Path, model_sd: dict[str, Any]) -> None:
