@@ -429,13 +429,23 @@ def test_a_damaged_ram_copy_falls_back_to_disk(tmp_path):
     want = full_state(model, opts)
     store = store_for(tmp_path)
     store.save(2, model, opts, {}, blocking=True)
+    # A flipped byte, same size: found by the crc32 recheck (ram_verify), not by the default size check.
     data = bytearray(store.ram.data_path.read_bytes())
     data[len(data) // 2] ^= 0x04
     store.ram.data_path.write_bytes(bytes(data))
     fresh, fresh_opts = make_model(seed=9)
-    restarted = store_for(tmp_path)
+    restarted = store_for(tmp_path, ram_verify=True)
     assert restarted.load(restarted.select("auto"), fresh, fresh_opts)["loaded_from"] == "disk"
     assert_same(full_state(fresh, fresh_opts), want)
+    # A copy that cannot even be read (same size, garbage): every rank goes to disk, with a warning.
+    store.save(2, model, opts, {}, blocking=True)
+    store.ram.data_path.write_bytes(b"\0" * store.ram.data_path.stat().st_size)
+    logs: list[str] = []
+    again, again_opts = make_model(seed=8)
+    restarted = store_for(tmp_path, logs)
+    assert restarted.load(restarted.select("auto"), again, again_opts)["loaded_from"] == "disk"
+    assert_same(full_state(again, again_opts), want)
+    assert any("cannot be read" in s for s in logs) and not store.ram.info_path.exists()
 
 
 def test_a_resave_whose_swap_fails_or_is_cut_short_keeps_the_old_checkpoint(tmp_path, monkeypatch):

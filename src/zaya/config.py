@@ -291,6 +291,10 @@ class CheckpointConfig:
     ram_tier: bool = True
     """Keep the newest checkpoint in host shared memory too (each rank its own part), so a restart after a crash
     at the same world size and parallel mode loads from RAM; disk otherwise."""
+    ram_verify: bool = False
+    """Recheck every RAM-tier copy's crc32 before a restart uses it (reads it all: about 0.4 s per GiB per core).
+    Off by default: the copy lives in memory and is published atomically after its disk checkpoint; a copy that
+    cannot be read still falls back to disk."""
     ram_dir: str = ""
     """Directory of the RAM tier; "" = /dev/shm/zaya (per node). Must be a RAM-backed filesystem to help."""
     on_error: str = "continue"

@@ -450,7 +450,8 @@ class CheckpointStore:
         for name in reversed(candidates):
             path = Path(name)
             step = int(STEP_DIR.match(path.name).group(1))
-            if self.ram is not None and not self._any(not self.ram.holds(step, _save_id(path))):
+            if self.ram is not None and not self._any(not self.ram.holds(step, _save_id(path),
+                                                                         self.config.ram_verify)):
                 self._ram_step = step
                 return path
             problem = self._verify(path)
@@ -489,14 +490,30 @@ class CheckpointStore:
                  for opt in optimizers or []]
         model_sd, optim_sd = get_state_dict(model, optimizers or [], options=StateDictOptions())
         from_ram = self._ram_step is not None and self._ram_step == meta["step"] and self.ram is not None
+        state = None
         if from_ram:
-            saved = self.ram.read()
-            with torch.no_grad():
-                state = {"model": copy_into_live(saved["model"], model_sd)}
-                if optimizers:
-                    state["optim"] = copy_into_live(saved["optim"], optim_sd)
-            del saved  # drop the file mapping
-        else:
+            # Read every rank's copy first and agree: a copy that cannot be read (it was checked by size and
+            # save_id, and by crc32 with ram_verify) sends every rank to the disk, never into a crash loop.
+            try:
+                saved, error = self.ram.read(), None
+            except Exception as exc:  # noqa: BLE001 - any unreadable copy means disk
+                saved, error = None, exc
+            if self._any(error is not None):
+                from_ram = False
+                if error is not None:
+                    self.log(f"warning: RAM tier copy {self.ram.data_path} cannot be read ({_describe(error)}); "
+                             "loading from disk")
+                self.forget_ram_tier()
+                problem = self._verify(path)  # select skipped it because the RAM copy was to be used
+                if problem is not None:
+                    raise CheckpointError(f"{path}: cannot be loaded: {problem}")
+            else:
+                with torch.no_grad():
+                    state = {"model": copy_into_live(saved["model"], model_sd)}
+                    if optimizers:
+                        state["optim"] = copy_into_live(saved["optim"], optim_sd)
+                del saved  # drop the file mapping
+        if state is None:
             check_tensor_shapes(path, model_sd)
             state = {"model": model_sd}
             if optimizers:
