@@ -116,10 +116,13 @@ class RamTier:
             path.unlink(missing_ok=True)
         for stale in self.directory.glob(f".rank-{self.rank:05d}.*.pending") if self.directory.is_dir() else []:
             stale.unlink(missing_ok=True)
-        try:
-            self.directory.rmdir()
-        except OSError:
-            pass
+        for empty in (self.directory, self.directory.parent):
+            if empty == self.directory.parent and str(empty) != DEFAULT_DIR:
+                break  # a directory the user chose is theirs to keep
+            try:
+                empty.rmdir()
+            except OSError:
+                break
 
 
 def _crc32(path: Path) -> str:
