@@ -104,31 +104,31 @@ class _ResidualScaleFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         branch, residual, bb, bs, rb, rs = ctx.saved_tensors
-        dims = tuple(range(grad.dim() - 1))
         need = ctx.needs_input_grad
-        grad_branch = grad_residual = grad_bb = grad_bs = grad_rb = grad_rs = None
-        # Autograd's steps and roundings: the gradient of each product arrives in the product's dtype; the gradient
-        # of (x + bias) is grad * scale in the sum's dtype, the bias gradient its row sum, x's its cast; the scale
-        # gradient is the row sum of grad * (x + bias). Row sums come before the cast to the parameter's dtype.
-        ab_dtype = torch.result_type(branch, bb)
-        ar_dtype = torch.result_type(residual, rb)
-        if need[0] or need[2] or need[3]:
-            ga = grad.to(torch.promote_types(ab_dtype, bs.dtype))
-            if need[0] or need[2]:
-                gb = (ga * bs).to(ab_dtype)
-                grad_bb = gb.sum(dims).to(bb.dtype) if need[2] else None
-                grad_branch = gb.to(branch.dtype) if need[0] else None
-            if need[3]:
-                grad_bs = _mul(torch.add(branch, bb), ga).sum(dims).to(bs.dtype)
-        if need[1] or need[4] or need[5]:
-            ga = grad.to(torch.promote_types(ar_dtype, rs.dtype))
-            if need[1] or need[4]:
-                gr = (ga * rs).to(ar_dtype)
-                grad_rb = gr.sum(dims).to(rb.dtype) if need[4] else None
-                grad_residual = gr.to(residual.dtype) if need[1] else None
-            if need[5]:
-                grad_rs = _mul(torch.add(residual, rb), ga).sum(dims).to(rs.dtype)
+        grad_branch, grad_bb, grad_bs = _scaled_sum_grads(grad, branch, bb, bs, need[0], need[2], need[3])
+        grad_residual, grad_rb, grad_rs = _scaled_sum_grads(grad, residual, rb, rs, need[1], need[4], need[5])
         return grad_branch, grad_residual, grad_bb, grad_bs, grad_rb, grad_rs
+
+
+def _scaled_sum_grads(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor, need_x: bool,
+                      need_bias: bool, need_scale: bool) -> tuple[torch.Tensor | None, ...]:
+    """Gradients of ``(x + bias) * scale`` (x, bias, scale; None where not needed) with autograd's steps and
+    roundings: the gradient of the product arrives in the product's dtype; the gradient of (x + bias) is
+    grad * scale in the sum's dtype, the bias gradient its row sum, x's its cast; the scale gradient is the row sum
+    of grad * (x + bias). Row sums come before the cast to the parameter's dtype."""
+    grad_x = grad_bias = grad_scale = None
+    if not (need_x or need_bias or need_scale):
+        return grad_x, grad_bias, grad_scale
+    dims = tuple(range(grad.dim() - 1))
+    sum_dtype = torch.result_type(x, bias)
+    g = grad.to(torch.promote_types(sum_dtype, scale.dtype))
+    if need_x or need_bias:
+        gs = (g * scale).to(sum_dtype)
+        grad_bias = gs.sum(dims).to(bias.dtype) if need_bias else None
+        grad_x = gs.to(x.dtype) if need_x else None
+    if need_scale:
+        grad_scale = _mul(torch.add(x, bias), g).sum(dims).to(scale.dtype)
+    return grad_x, grad_bias, grad_scale
 
 
 def _mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
