@@ -142,7 +142,7 @@ class CheckpointStore:
         self._ram_room_warned = False
         self._staged: dict[str, Any] | None = None
         self._thread: threading.Thread | None = None
-        self._pending: SaveOutcome | None = None
+        self._pending_step = -1  # the step of the save in flight
         self._result: SaveOutcome | None = None
         self._ram_step: int | None = None  # the step select() found in every rank's RAM tier
         self.last_outcome: SaveOutcome | None = None
@@ -176,10 +176,6 @@ class CheckpointStore:
             dist.barrier(group=group)
 
     # -------------------------------------------------------------------------------------------------- save
-    @property
-    def in_flight(self) -> bool:
-        return self._thread is not None
-
     def save(self, step: int, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
              meta: dict[str, Any], blocking: bool | None = None, ram_copy: bool = True) -> SaveOutcome | None:
         """Checkpoint ``step``. Blocking (``blocking=True``, or ``async_save = false``): returns the outcome once
@@ -211,7 +207,7 @@ class CheckpointStore:
             return outcome
         self._staged = stage(state, self._staged)
         staged, blocked = self._staged, time.perf_counter() - t0
-        self._pending = SaveOutcome(step, False, nbytes=nbytes, blocked_seconds=blocked)
+        self._pending_step = step
 
         def run() -> None:
             try:
@@ -235,8 +231,8 @@ class CheckpointStore:
             return None
         self._thread.join()
         self._thread = None
-        outcome = self._result or SaveOutcome(self._pending.step, False, error="the save thread ended silently")
-        self._result = self._pending = None
+        outcome = self._result or SaveOutcome(self._pending_step, False, error="the save thread ended silently")
+        self._result = None
         self._settle(outcome)
         return outcome
 
