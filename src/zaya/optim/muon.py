@@ -915,21 +915,10 @@ class Muon(Optimizer):
             return
         del send
 
-        # Phase 2: owners orthogonalise and send each rank its rows back (second all_to_all).
-        back_split = [0] * world  # what this rank sends to each rank
-        back_at: dict[tuple[int, int], int] = {}
-        for d in range(world):
-            for j in mine:
-                e, sizes, _ = matrices[j]
-                back_at[(d, j)] = sum(back_split[:d]) + back_split[d]
-                back_split[d] += sizes[d] * e.shape[1]
-        ret_split = [0] * world
-        ret_at: dict[int, int] = {}
-        for s in range(world):
-            for j, (e, sizes, _) in enumerate(matrices):
-                if owner[j] == s:
-                    ret_at[j] = sum(ret_split[:s]) + ret_split[s]
-                    ret_split[s] += sizes[rank] * e.shape[1]
+        # Phase 2: owners orthogonalise and send each rank its rows back (second all_to_all). The layout is phase
+        # 1's mirrored: what this rank received from each rank it sends back, where it sent, it receives.
+        back_split, back_at = recv_split, recv_at
+        ret_split, ret_at = send_split, send_at
         back = torch.empty(sum(back_split), dtype=dtype, device=device)
 
         def fill(j: int, dst: Tensor) -> None:
