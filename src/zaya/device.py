@@ -1,0 +1,55 @@
+"""Which device a command runs on, and the autocast context for it.
+
+Every command and benchmark takes ``--device`` (``train.device`` for training): ``auto`` (the default) is the
+best available, a GPU when torch sees one (CUDA, or ROCm, which answers to the same name) and the CPU otherwise.
+Under torchrun each process takes the GPU of its ``LOCAL_RANK``.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import ContextManager
+
+import torch
+
+from zaya.errors import ConfigError
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
+
+
+def resolve_device(spec: str = "auto", local_rank: int = 0, what: str = "--device") -> torch.device:
+    """The device ``spec`` names: "auto", "cpu", "cuda" (the local rank's GPU), "cuda:N", or "mps"."""
+    spec = (spec or "auto").strip().lower()
+    if spec == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"{what} = {spec!r} is not a device; use one of {', '.join(DEVICE_CHOICES)}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{what} = {spec!r} but this torch sees no GPU (torch {torch.__version__}, "
+                              f"CUDA {torch.version.cuda}, ROCm {torch.version.hip}); use {what} = cpu or install "
+                              "a GPU build of torch (docs/gpu.md)")
+        index = local_rank if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"{what} = {spec!r}: GPU {index} does not exist ({torch.cuda.device_count()} visible)")
+        return torch.device("cuda", index)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{what} = {spec!r} but MPS is not available on this machine")
+    if device.type not in ("cpu", "mps"):
+        raise ConfigError(f"{what} = {spec!r}: zaya runs on cpu, cuda (NVIDIA or AMD ROCm) or mps")
+    return device
+
+
+def autocast(device: torch.device, dtype: str) -> ContextManager:
+    """bf16 autocast on ``device`` for ``dtype == "bfloat16"``; nothing for "float32"."""
+    if dtype == "bfloat16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU); for timing only, never inside a training step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
