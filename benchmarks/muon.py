@@ -16,7 +16,7 @@ script waits (up to a minute) until the machine is idle (< 10% CPU busy over 0.5
 * ``max_rel_diff`` / ``median_rel_diff``: after the warm-up step (both from the same parameters), per matrix
   ``||dp_ours - dp_torch||_F / ||dp_torch||_F`` over the parameter changes ``dp``.
 * ``world2_per_rank_s``: 2 gloo ranks on this machine, each with 1 thread (one core each), DDP-style replicated
-  parameters with ``distributed="owner"`` (each matrix orthogonalised by one rank, results broadcast): the wall
+  parameters with ``replica_group=WORLD`` (each matrix orthogonalised by one rank, results broadcast): the wall
   time of a step (both ranks start together after a barrier; the slower rank's time), median over the repeats.
   ``ours_1thread_s`` is the single-process step with 1 thread, the same resources one rank has, and
   ``world2_ratio`` = world2_per_rank_s / ours_1thread_s (the per-rank share of the work, communication included).
@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zaya.optim import Muon
-from zaya.optim.muon import ns_flops
+from zaya.optim.newton_schulz import ns_flops
 
 KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
 
@@ -148,7 +148,7 @@ def _world2_worker(rank: int, world: int, port: int, shapes, repeats: int, resul
         params, grads = make_set(shapes, torch.device("cpu"))
         for p, g in zip(params, grads):
             p.grad = g
-        opt = Muon(params, **KW, distributed="owner")
+        opt = Muon(params, **KW, replica_group=dist.group.WORLD)
         times, counts = [], []
         for r in range(repeats + 1):  # the first is the warm-up
             flag = torch.tensor([1.0 if rank != 0 else float(wait_quiet(torch.device("cpu")))])

@@ -1,10 +1,12 @@
 """Distributed Muon on 2 and 3 gloo ranks equals the single-process optimizer, with the NS work split.
 
-* DDP ("owner"): replicated plain parameters; each matrix (each expert) orthogonalised by one rank, results
-  broadcast; compared bit for bit with one process.
-* FSDP2 ("auto"): Shard(0) DTensors with uneven (and empty) shards; experts orthogonalised where they live, 2-D
-  matrices gathered to one owner each (all_to_all) and scattered back; compared with one process and with the
-  gather-everything fallback ("local").
+* DDP (``replica_group``): replicated plain parameters; each matrix (each expert) orthogonalised by one rank,
+  results broadcast; compared bit for bit with one process.
+* FSDP2 (``distributed="auto"``): Shard(0) DTensors with uneven (and empty) shards; experts orthogonalised where
+  they live, 2-D matrices gathered to one owner each (all_to_all) and scattered back; compared with one process
+  and with the gather-everything fallback (``"local"``).
+* Drift checks: every step reads the device once on every rank (``HostReads``), and with a stand-in check that
+  flags some Gram results, the corrections (collective on these paths) give the single-process results.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from zaya.optim import Muon
-from zaya.optim.muon import _assign, _chunk_sizes
+from zaya.dist.checks import HostReads
+from zaya.optim import Muon, newton_schulz
+from zaya.optim.muon_distributed import assign, chunk_sizes
 
 KW = dict(lr=0.05, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw")
 
@@ -40,17 +43,29 @@ def ddp_params():
     return [nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in DDP_SHAPES]
 
 
-def ddp_train(distributed: str, steps: int = 2):
+def first_element_positive(out, cfg):
+    """A stand-in drift check that flags some Gram results and not others, the same whichever rank computes it."""
+    return out[..., 0, 0] > 0
+
+
+def stepped(opt, reads: list[int]) -> None:
+    """``opt.step()``, recording its host reads."""
+    with HostReads() as r:
+        opt.step()
+    reads.append(r.total)
+
+
+def ddp_train(replica_group=None, steps: int = 2, ns_dtype=torch.bfloat16):
     params = ddp_params()
-    opt = Muon(params, **KW, distributed=distributed)
+    opt = Muon(params, **KW, replica_group=replica_group, ns_dtype=ns_dtype)
     g = torch.Generator().manual_seed(1)
-    counts = []
+    counts, reads = [], []
     for _ in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
-        opt.step()
+        stepped(opt, reads)
         counts.append(opt.ns_matrices)
-    return [p.detach().clone() for p in params], counts
+    return [p.detach().clone() for p in params], counts, reads, opt.gram_fallbacks
 
 
 class Tiny(nn.Module):
@@ -77,13 +92,13 @@ TINY_MATRICES = 3 + 2 + 3  # experts, experts2, proj/down/wide
 def fsdp_train(model, distributed: str = "auto", steps: int = 2, ns_dtype=torch.bfloat16):
     opt = Muon(model.parameters(), **KW, distributed=distributed, ns_dtype=ns_dtype)
     g = torch.Generator().manual_seed(123)
-    counts = []
+    counts, reads = [], []
     for _ in range(steps):
         opt.zero_grad()
         model(torch.randn(4, 6, generator=g), torch.randn(4, 600, generator=g)).backward()
-        opt.step()
+        stepped(opt, reads)
         counts.append(opt.ns_matrices)
-    return opt, counts
+    return opt, counts, reads
 
 
 def _worker(rank: int, world: int, port: int, result) -> None:
@@ -96,32 +111,51 @@ def _worker(rank: int, world: int, port: int, result) -> None:
         from torch.distributed.tensor import DTensor, Shard
 
         out = {}
-        out["ddp"], out["ddp_counts"] = ddp_train("owner")
+        out["ddp"], out["ddp_counts"], out["ddp_reads"], _ = ddp_train(dist.group.WORLD)
+        real_check = newton_schulz.drift_flags
+        newton_schulz.drift_flags = first_element_positive
+        try:
+            fix = ddp_train(dist.group.WORLD, ns_dtype=torch.float32)
+            out["ddp_fix"], _, out["ddp_fix_reads"], out["ddp_fix_fallbacks"] = fix
+        finally:
+            newton_schulz.drift_flags = real_check
 
-        # The trainer's choice (build_optimizers): owner mode when every rank holds the same parameters (DDP),
-        # not for per-rank subsets (ZeRO-1), nothing distributed when configured "local".
+        # The trainer's choice (build_optimizers): plain parameters are split over the replica group it passes
+        # (DDP's), not without one (ZeRO-1's per-rank subsets), and nothing is split when configured "local".
         from zaya.config import OptimConfig
         from zaya.optim.build import ParamSplit, build_optimizers
 
         named = [(f"w{i}", p) for i, p in enumerate(ddp_params())]
-        assert build_optimizers(ParamSplit(named, [], []), OptimConfig())[0].distributed == "owner"
-        assert build_optimizers(ParamSplit(named[rank::world], [], []), OptimConfig())[0].distributed == "auto"
-        local = OptimConfig(muon_distributed="local")
-        assert build_optimizers(ParamSplit(named, [], []), local)[0].distributed == "local"
+        ddp = build_optimizers(ParamSplit(named, [], []), OptimConfig(), replica_group=dist.group.WORLD)[0]
+        assert ddp.distributed == "auto" and ddp._replicas() is dist.group.WORLD
+        zero1 = build_optimizers(ParamSplit(named[rank::world], [], []), OptimConfig())[0]
+        assert zero1.distributed == "auto" and zero1._replicas() is None
+        local = build_optimizers(ParamSplit(named, [], []), OptimConfig(muon_distributed="local"),
+                                 replica_group=dist.group.WORLD)[0]
+        assert local.distributed == "local" and local._replicas() is None
 
         mesh = init_device_mesh("cpu", (world,))
-        for mode, ns_dtype in (("auto", torch.float32), ("auto", torch.bfloat16), ("local", torch.bfloat16)):
+        for mode, ns_dtype, check in (("auto", torch.float32, ""), ("auto", torch.bfloat16, ""),
+                                      ("local", torch.bfloat16, ""), ("auto", torch.float32, "fix"),
+                                      ("local", torch.float32, "fix")):
             torch.manual_seed(0)
             model = Tiny()
             fully_shard(model, mesh=mesh)
-            opt, counts = fsdp_train(model, mode, ns_dtype=ns_dtype)
-            mode = f"{mode}_{str(ns_dtype)[6:]}"
+            if check:
+                newton_schulz.drift_flags = first_element_positive
+            try:
+                opt, counts, reads = fsdp_train(model, mode, ns_dtype=ns_dtype)
+            finally:
+                newton_schulz.drift_flags = real_check
+            mode = f"{mode}_{str(ns_dtype)[6:]}" + (f"_{check}" if check else "")
+            out[f"fsdp_{mode}_reads"] = reads
+            out[f"fsdp_{mode}_fallbacks"] = opt.gram_fallbacks
             for name, p in model.named_parameters():
                 buf = opt.state[p]["momentum_buffer"]
                 assert isinstance(p, DTensor) and isinstance(buf, DTensor), name
                 assert p.placements == (Shard(0),) and buf.placements == p.placements, name
                 assert buf.to_local().shape == p.to_local().shape, name
-                assert p.to_local().shape[0] == _chunk_sizes(p.shape[0], world)[rank], name
+                assert p.to_local().shape[0] == chunk_sizes(p.shape[0], world)[rank], name
             out[f"fsdp_{mode}"] = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
             out[f"fsdp_{mode}_counts"] = counts
         result[rank] = out
@@ -129,23 +163,43 @@ def _worker(rank: int, world: int, port: int, result) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def single_process():
-    ddp, ddp_counts = ddp_train("auto")
+def fsdp_reference():
     torch.manual_seed(0)
     model = Tiny()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    _, fsdp_counts = fsdp_train(model, ns_dtype=torch.float32)
+    opt, counts, reads = fsdp_train(model, ns_dtype=torch.float32)
     fsdp = {n: p.detach().clone() for n, p in model.named_parameters()}
     for name in fsdp:
         assert not torch.equal(fsdp[name], init[name])  # it trained
-    assert ddp_counts == [DDP_MATRICES] * 2 and fsdp_counts == [TINY_MATRICES] * 2
-    return ddp, fsdp
+    assert counts == [TINY_MATRICES] * 2 and reads == [1, 1]  # wide (130x600) takes the Gram path
+    return fsdp, opt.gram_fallbacks
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    ddp, ddp_counts, ddp_reads, _ = ddp_train()
+    assert ddp_counts == [DDP_MATRICES] * 2 and ddp_reads == [1, 1]
+    fsdp, fallbacks = fsdp_reference()
+    assert fallbacks == 0
+    patch = pytest.MonkeyPatch()
+    patch.setattr(newton_schulz, "drift_flags", first_element_positive)
+    try:
+        ddp_fix, _, _, ddp_fallbacks = ddp_train(ns_dtype=torch.float32)  # fp32: quicker on the CPU
+        fsdp_fix, fsdp_fallbacks = fsdp_reference()
+    finally:
+        patch.undo()
+    # The stand-in check flags some of the Gram results (2 steps x 3 Gram-path matrices for DDP, 2 x 1 for
+    # FSDP), and the corrections change the results.
+    assert 0 < ddp_fallbacks < 6 and fsdp_fallbacks > 0
+    assert not all(torch.equal(a, b) for a, b in zip(ddp_fix, ddp))
+    assert not torch.equal(fsdp_fix["wide.weight"], fsdp["wide.weight"])
+    return dict(ddp=ddp, fsdp=fsdp, ddp_fix=ddp_fix, ddp_fallbacks=ddp_fallbacks, fsdp_fix=fsdp_fix,
+                fsdp_fallbacks=fsdp_fallbacks)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_muon_matches_single_process(world, single_process):
-    ddp_ref, fsdp_ref = single_process
+    ddp_ref, fsdp_ref = single_process["ddp"], single_process["fsdp"]
     with mp.Manager() as manager:
         result = manager.dict()
         mp.spawn(_worker, args=(world, free_port(), result), nprocs=world, join=True)
@@ -180,13 +234,38 @@ def test_distributed_muon_matches_single_process(world, single_process):
         assert all(c[0] < TINY_MATRICES for c in counts)
     assert all(got[r]["fsdp_local_bfloat16_counts"] == [TINY_MATRICES] * 2 for r in range(world))  # repeats
 
+    # One host read per step on every rank and every path (each has Gram-path matrices: the checks of the
+    # matrices other ranks orthogonalised arrive with their results).
+    for r in range(world):
+        assert got[r]["ddp_reads"] == got[r]["ddp_fix_reads"] == [1, 1]
+        for mode in ("auto_float32", "auto_bfloat16", "local_bfloat16", "auto_float32_fix", "local_float32_fix"):
+            assert got[r][f"fsdp_{mode}_reads"] == [1, 1], mode
+
+    # Corrections. DDP: the owner recomputes O_gram - O_standard and broadcasts it, every rank applies it: the
+    # single-process result bit for bit, each flagged matrix corrected once, by its owner.
+    for r in range(world):
+        for a, b in zip(got[r]["ddp_fix"], single_process["ddp_fix"]):
+            assert torch.equal(a, b)
+    assert sum(got[r]["ddp_fix_fallbacks"] for r in range(world)) == single_process["ddp_fallbacks"]
+    # FSDP: the owner gets the inputs again and returns each rank its rows of the correction (auto); the
+    # gathered fallback gathers again and every rank corrects (local). Against one process within the fp32
+    # reduction noise above, and the two paths the same up to it.
+    for r in range(world):
+        for name, want in single_process["fsdp_fix"].items():
+            for mode in ("auto_float32_fix", "local_float32_fix"):
+                assert torch.equal(got[r][f"fsdp_{mode}"][name], got[0][f"fsdp_{mode}"][name]), (mode, name)
+                torch.testing.assert_close(got[r][f"fsdp_{mode}"][name], want, rtol=0, atol=5e-6)
+    fsdp_fallbacks = single_process["fsdp_fallbacks"]
+    assert sum(got[r]["fsdp_auto_float32_fix_fallbacks"] for r in range(world)) == fsdp_fallbacks
+    assert all(got[r]["fsdp_local_float32_fix_fallbacks"] == fsdp_fallbacks for r in range(world))
+
 
 def test_owner_assignment_balances_flops():
     costs = [8.0, 5.0, 4.0, 3.0, 3.0, 1.0]
-    owner = _assign(costs, 2)
+    owner = assign(costs, 2)
     loads = [sum(c for c, o in zip(costs, owner) if o == r) for r in range(2)]
     assert sorted(loads) == [12.0, 12.0]
-    assert _assign(costs, 2) == owner  # deterministic
+    assert assign(costs, 2) == owner  # deterministic
     # Fixed loads (FSDP experts living on a rank) are taken into account.
-    assert _assign([2.0, 2.0], 2, load=[10.0, 0.0]) == [1, 1]
-    assert _chunk_sizes(7, 3) == [3, 3, 1] and _chunk_sizes(4, 3) == [2, 2, 0] and _chunk_sizes(2, 3) == [1, 1, 0]
+    assert assign([2.0, 2.0], 2, load=[10.0, 0.0]) == [1, 1]
+    assert chunk_sizes(7, 3) == [3, 3, 1] and chunk_sizes(4, 3) == [2, 2, 0] and chunk_sizes(2, 3) == [1, 1, 0]

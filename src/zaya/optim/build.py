@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,50 +52,23 @@ def split_parameters(model: nn.Module, use_muon: bool = True) -> ParamSplit:
     return split
 
 
-def replicated_across_ranks(params: list[tuple[str, nn.Parameter]]) -> bool:
-    """Whether every rank passed the same named plain-tensor parameters (DDP), not per-rank subsets (ZeRO-1).
-
-    Collective when ``torch.distributed`` is initialised with more than one rank: every rank must call it. False
-    in a single process, and for DTensor (FSDP) parameters, which Muon splits by itself.
-    """
-    import zlib
-
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return False
-    from zaya.optim.muon import _is_dtensor
-
-    plain = not any(_is_dtensor(p) for _, p in params)
-    text = ";".join(f"{n}:{tuple(p.shape)}" for n, p in params) if plain else "dtensor"
-    h = zlib.crc32(text.encode())
-    device = params[0][1].device if params else torch.device("cpu")
-    if dist.get_backend() == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([h, -h], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return plain and bool(params) and int(t[0]) == h and int(-t[1]) == h
-
-
-def build_optimizers(params: ParamSplit, cfg: OptimConfig) -> list[torch.optim.Optimizer]:
+def build_optimizers(params: ParamSplit, cfg: OptimConfig,
+                     replica_group: Any = None) -> list[torch.optim.Optimizer]:
     """[Muon, AdamW] (either omitted when it has nothing to do); each group's ``lr`` is its peak.
 
-    With ``optim.muon_distributed = "auto"`` under DDP (every rank holds the same parameters, found by comparing
-    their names across ranks: a collective, so every rank must call this), Muon splits its Newton-Schulz work
-    across the ranks and shares the results; FSDP's DTensor parameters are split by Muon itself, and under ZeRO-1
-    each rank already holds only its own parameters.
+    ``replica_group``: the process group over which every rank holds these same parameters (DDP's data-parallel
+    group), or None (one process, ZeRO-1's per-rank subsets, FSDP). With ``optim.muon_distributed = "auto"``
+    Muon splits its Newton-Schulz work over that group and shares the results; FSDP's DTensor parameters it
+    splits over their mesh by itself. Nothing here is collective.
     """
     from zaya.optim.muon import Muon
 
     optimizers: list[torch.optim.Optimizer] = []
-    distributed = "local"
-    if cfg.muon_distributed == "auto":
-        distributed = "owner" if replicated_across_ranks(params.muon) else "auto"
     if params.muon:
         muon = Muon([p for _, p in params.muon], lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay,
                     momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
                     adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=getattr(torch, cfg.muon_ns_dtype),
-                    ns_method=cfg.muon_ns_method, distributed=distributed)
+                    ns_method=cfg.muon_ns_method, distributed=cfg.muon_distributed, replica_group=replica_group)
         optimizers.append(muon)
     groups = []
     if params.adamw_decay:
@@ -102,8 +76,20 @@ def build_optimizers(params: ParamSplit, cfg: OptimConfig) -> list[torch.optim.O
     if params.adamw_no_decay:
         groups.append({"params": [p for _, p in params.adamw_no_decay], "weight_decay": 0.0})
     if groups:
-        optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps))
+        optimizers.append(torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                            fused=_fused_adamw_supported(groups) or None))
     return optimizers
+
+
+def _fused_adamw_supported(groups: list[dict[str, Any]]) -> bool:
+    """Whether torch's fused AdamW takes every parameter: floating-point, on the CPU or a CUDA/ROCm GPU.
+
+    Fused is the default where it applies, for two reasons: it keeps the step counter on the parameters' device
+    (the default foreach AdamW keeps it on the host and reads it back every step), and it is the fastest (3-5x
+    foreach on the dev CPU: benchmarks/results.md, "Training step"). FSDP2's DTensor parameters are supported too.
+    """
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 def peak_lrs(optimizers: list[torch.optim.Optimizer]) -> list[list[float]]:
