@@ -17,9 +17,10 @@ The key is the median over the repeats. Every checkpoint is deleted after its me
     cpu_offload=True))`` gathers the full state to rank 0. Rank 0 then ``torch.save``s it to one file, flushes it and
     ``fsync``s it, as the store's own files are fsynced. Extras, from rank 0: ``rank0_gather_s`` (the gather) and
     ``rank0_write_s`` (torch.save + fsync).
-(b) ``parallel_save_s``. ``CheckpointStore(config=CheckpointConfig(async_save=False, ram_tier=False)).save(...,
-    blocking=True)``: each rank writes its own part with DCP (fsynced), checksumming it (crc32) as it writes, and rank
-    0 commits. The
+(b) ``parallel_save_s``. ``CheckpointStore(dir, CheckpointConfig(async_save=False, ram_tier=False), runtime,
+    parallel="fsdp").save(step, parts, meta, blocking=True)``, with ``parts`` = ``{"model": ModelState(model),
+    "optim": OptimizerState(model, [opt])}`` (``zaya.checkpoint.parts``): each rank writes the entries it owns
+    (here its FSDP2 shards) with DCP (fsynced), checksumming them (crc32) as it writes, and rank 0 commits. The
     outcome must be ok. The extra ``dcp_save_s`` is a plain ``torch.distributed.checkpoint.save`` of the same state
     to a new directory (DCP's write + fsync alone, without the store's checksums and commit). ``--no-breakdown``
     skips it.
@@ -31,7 +32,7 @@ The key is the median over the repeats. Every checkpoint is deleted after its me
     reuse.
 (d) ``ram_restore_s`` / ``disk_restore_s``. A third store, ``CheckpointConfig(async_save=False, ram_tier=True,
     ram_dir=<a directory under /dev/shm>)``, saves once. Then the script times ``store.select("auto")`` +
-    ``store.load(path, model, [opt])`` (a restart's whole restore, the checkpoint's verification included):
+    ``store.load(path, parts)`` (a restart's whole restore, the checkpoint's verification included):
     - first ``--repeats`` times with the RAM tier present. ``meta["loaded_from"]`` must be ``"ram"``, and ``select``
       skips the checksums then.
     - Then ``forget_ram_tier()`` runs on every rank. Before each disk restore, every file of the checkpoint is
@@ -263,9 +264,12 @@ def run_rank(rank: int, world: int, opts: dict) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+    from zaya.checkpoint.parts import ModelState, OptimizerState
     from zaya.checkpoint.store import CheckpointStore
     from zaya.config import CheckpointConfig
+    from zaya.dist.runtime import Runtime
 
+    runtime = Runtime(rank, world, rank, torch.device("cpu"), True, timeout_s=opts["timeout_s"])
     say = log if rank == 0 else (lambda m: None)
     root = Path(opts["dir"]) / f"world{world}"
     ram_dir = Path(opts["ram_dir"]) / f"world{world}"
@@ -283,8 +287,10 @@ def run_rank(rank: int, world: int, opts: dict) -> dict:
     say(f"world {world}: state {total / 2**30:.3f} GiB ({opts['tensors']} x [{opts['rows']}, {opts['cols']}] fp32 "
         f"+ 2 AdamW moments), {local / 2**20:.0f} MiB per rank; built in {time.perf_counter() - t_build:.1f} s")
     reference = fingerprint(model, opt)
-    def meta(step: int) -> dict:  # as the trainer's: load() reads meta["step"] back (the store does not add it)
-        return {"step": step, "benchmark": "checkpoint", "world_size": world, "parallel": "fsdp"}
+    parts = {"model": ModelState(model), "optim": OptimizerState(model, [opt])}
+
+    def meta(step: int) -> dict:  # the store adds step, save_id, world_size, parallel and the parts' names
+        return {"benchmark": "checkpoint"}
 
     res: dict[str, list[float]] = {k: [] for k in ("rank0", "gather", "write", "parallel", "dcp", "block",
                                                   "async_total", "ram", "disk", "disk_warm", "ram_first_write",
@@ -296,38 +302,38 @@ def run_rank(rank: int, world: int, opts: dict) -> dict:
         base.mkdir(parents=True, exist_ok=True)
     for r in range(repeats):
         path = base / f"full-{r}.pt"
-        parts = {}
+        timing = {}
 
         def rank0_save():
             t = time.perf_counter()
             msd, osd = get_state_dict(model, [opt], options=StateDictOptions(full_state_dict=True,
                                                                              cpu_offload=True))
-            parts["gather"] = time.perf_counter() - t
+            timing["gather"] = time.perf_counter() - t
             if rank == 0:
                 t = time.perf_counter()
                 with open(path, "wb") as fh:
                     torch.save({"model": msd, "optim": osd}, fh)
                     fh.flush()
                     os.fsync(fh.fileno())
-                parts["write"] = time.perf_counter() - t
+                timing["write"] = time.perf_counter() - t
             del msd, osd
 
         dt, _ = timer(rank0_save)
         res["rank0"].append(dt)
         if rank == 0:
-            res["gather"].append(parts["gather"])
-            res["write"].append(parts["write"])
+            res["gather"].append(timing["gather"])
+            res["write"].append(timing["write"])
             size = path.stat().st_size
-        say(f"  (a) rank-0 save {r + 1}/{repeats}: {dt:.2f} s" + (f" (gather {parts['gather']:.2f} s, write "
-                                                                 f"{parts['write']:.2f} s, {size / 2**20:.0f} MiB)"
+        say(f"  (a) rank-0 save {r + 1}/{repeats}: {dt:.2f} s" + (f" (gather {timing['gather']:.2f} s, write "
+                                                                 f"{timing['write']:.2f} s, {size / 2**20:.0f} MiB)"
                                                                  if rank == 0 else ""))
         remove_on_rank0(rank, path)
 
     # (b) the store's parallel, blocking save (and plain DCP for the breakdown)
     sync_store = CheckpointStore(root / "sync" / "checkpoints", CheckpointConfig(async_save=False, ram_tier=False),
-                                 rank=rank, world_size=world, distributed=True, parallel="fsdp", log=store_log)
+                                 runtime, parallel="fsdp", log=store_log)
     for r in range(repeats):
-        dt, outcome = timer(lambda: sync_store.save(r + 1, model, [opt], meta(r + 1), blocking=True))
+        dt, outcome = timer(lambda: sync_store.save(r + 1, parts, meta(r + 1), blocking=True))
         if outcome is None or not outcome.ok:
             raise RuntimeError(f"parallel save {r + 1} failed: {outcome}")
         res["parallel"].append(dt)
@@ -347,9 +353,9 @@ def run_rank(rank: int, world: int, opts: dict) -> dict:
 
     # (c) the store's async save: the time training is blocked
     async_store = CheckpointStore(root / "async" / "checkpoints", CheckpointConfig(async_save=True, ram_tier=False),
-                                  rank=rank, world_size=world, distributed=True, parallel="fsdp", log=store_log)
+                                  runtime, parallel="fsdp", log=store_log)
     for r in range(repeats):
-        dt, ret = timer(lambda: async_store.save(r + 1, model, [opt], meta(r + 1), blocking=False))
+        dt, ret = timer(lambda: async_store.save(r + 1, parts, meta(r + 1), blocking=False))
         if ret is not None:
             raise RuntimeError(f"async save {r + 1} returned {ret!r} instead of None (skipped or blocking?)")
         outcome = async_store.wait()
@@ -365,8 +371,8 @@ def run_rank(rank: int, world: int, opts: dict) -> dict:
     # (d) restore: RAM tier, then disk (cold page cache), then disk (warm)
     ram_store = CheckpointStore(root / "restore" / "checkpoints",
                                 CheckpointConfig(async_save=False, ram_tier=True, ram_dir=str(ram_dir)),
-                                rank=rank, world_size=world, distributed=True, parallel="fsdp", log=store_log)
-    outcome = ram_store.save(1, model, [opt], meta(1), blocking=True)
+                                runtime, parallel="fsdp", log=store_log)
+    outcome = ram_store.save(1, parts, meta(1), blocking=True)
     if outcome is None or not outcome.ok:
         raise RuntimeError(f"save for the restore test failed: {outcome}")
     say(f"  (d) saved once for the restores ({outcome.seconds:.2f} s with the RAM-tier copy)")
@@ -376,7 +382,7 @@ def run_rank(rank: int, world: int, opts: dict) -> dict:
             path = ram_store.select("auto")
             if path is None:
                 raise RuntimeError("select('auto') found no checkpoint")
-            return ram_store.load(path, model, [opt])
+            return ram_store.load(path, parts)
 
         clobber(model, opt)
         dist.barrier()

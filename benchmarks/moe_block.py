@@ -11,8 +11,8 @@ so every parameter gradient and the input gradients are computed):
 
 - ``ours_ms``: zaya with bf16 weights and bf16 inputs. This is the headline mode: the published recipe keeps bf16
   weights, and it is also Hugging Face's faster mode.
-- ``ours_autocast_ms``: zaya with fp32 weights under ``torch.autocast("cpu", torch.bfloat16)`` (what the walking-
-  skeleton trainer runs).
+- ``ours_autocast_ms``: zaya with fp32 weights under bf16 autocast on the benchmark's device (what the trainer
+  runs with ``train.dtype = "bfloat16"``).
 - ``hf_autocast_ms`` / ``hf_bf16_ms``: ``ZayaSparseMoeBlock`` as a standalone module (its default ``eager`` experts
   path: a Python loop over experts), fp32 weights under autocast / bf16 weights.
 - ``hf_gmm_autocast_ms`` / ``hf_gmm_bf16_ms`` (extra): the same block with ``experts_implementation =
@@ -25,7 +25,13 @@ in the same run (a 4096^3 bf16 matmul timed as one more mode in every round). Mo
 repeat runs every mode once) so that machine noise hits all of them alike; the numbers are medians over
 ``--repeats``, after one warm-up round.
 
-Run: ``PYTHONPATH=src python benchmarks/moe_block.py [--shapes tiny,base] [--repeats N] [--tokens N]``.
+Device: ``--device`` (default ``auto``: the GPU when torch sees one, else the CPU; ``zaya.device.resolve_device``).
+Everything (both blocks, the inputs, the peak matmul) lives there and autocast runs on that device's type. On a GPU
+the device is synchronised before each timer is read (kernels run asynchronously); on the CPU each round first
+waits, up to ``--quiet-timeout`` s, until the machine is at most ``--quiet-below`` busy (``benchmarks/quiet.py``:
+the VMs these run on are shared), which a GPU run skips.
+
+Run: ``PYTHONPATH=src python benchmarks/moe_block.py [--shapes tiny,base] [--repeats N] [--tokens N] [--device D]``.
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ from contextlib import nullcontext
 
 import torch
 
+from quiet import wait_quiet  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from zaya.config import ModelConfig
+from zaya.device import resolve_device, synchronize
 from zaya.model.hf import _RENAMES
 from zaya.model.moe import MoEBlock
 
@@ -97,7 +105,9 @@ def balance(ours: MoEBlock, h: torch.Tensor, prev: torch.Tensor, steps: int = 20
         router.balancing_biases[:e] -= lr * (f - 1.0 / e)
 
 
-def build(shape: str, seed: int, inputs: dict[str, torch.Tensor]) -> tuple[MoEBlock, ZayaSparseMoeBlock, ModelConfig]:
+def build(shape: str, seed: int, inputs: dict[str, torch.Tensor],
+          device: torch.device) -> tuple[MoEBlock, ZayaSparseMoeBlock, ModelConfig]:
+    """Both blocks with the same weights, on ``device`` (built on the CPU, so the weights do not depend on it)."""
     s = SHAPES[shape]
     cfg = ModelConfig(vocab_size=256, num_layers=2, max_seq_len=4096, **s)
     torch.manual_seed(seed)
@@ -117,7 +127,7 @@ def build(shape: str, seed: int, inputs: dict[str, torch.Tensor]) -> tuple[MoEBl
         router.balancing_biases[: cfg.num_experts] = 0.02 * torch.randn(cfg.num_experts, generator=g)
         ours.experts.gate_up_proj.normal_(0.0, cfg.hidden_size ** -0.5, generator=g)
         ours.experts.down_proj.normal_(0.0, cfg.expert_hidden_size ** -0.5, generator=g)
-    balance(ours, inputs["h"], inputs["prev"])
+    balance(ours, inputs["h"].cpu(), inputs["prev"].cpu())
 
     hf_cfg = ZayaConfig(hidden_size=cfg.hidden_size, num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
                         moe_intermediate_size=cfg.expert_hidden_size, router_hidden_size=cfg.router_hidden_size,
@@ -135,7 +145,7 @@ def build(shape: str, seed: int, inputs: dict[str, torch.Tensor]) -> tuple[MoEBl
     missing = set(hf_state) - copied
     if missing:
         raise RuntimeError(f"HF tensors not set from ours: {sorted(missing)}")
-    return ours, hf, cfg
+    return ours.to(device), hf.to(device), cfg
 
 
 def bf16_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -146,17 +156,19 @@ def bf16_copy(module: torch.nn.Module) -> torch.nn.Module:
     return out
 
 
-def make_inputs(shape: str, tokens: int, seed: int) -> dict[str, torch.Tensor]:
+def make_inputs(shape: str, tokens: int, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Random block inputs and upstream gradients (drawn on the CPU, the same on every device), on ``device``."""
     s = SHAPES[shape]
     g = torch.Generator().manual_seed(seed)
     b = 2 if tokens % 2 == 0 else 1
     t = tokens // b
-    return dict(
+    inputs = dict(
         h=torch.randn(b, t, s["hidden_size"], generator=g),
         prev=torch.randn(b, t, s["router_hidden_size"], generator=g),
         grad_out=torch.randn(b, t, s["hidden_size"], generator=g),
         grad_latent=torch.randn(b, t, s["router_hidden_size"], generator=g),
     )
+    return {k: v.to(device) for k, v in inputs.items()}
 
 
 def leaves(inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +186,7 @@ def run_once(kind: str, module: torch.nn.Module, inputs: dict[str, torch.Tensor]
         p.grad = None
     h, prev = leaves(inputs, dtype)
     h.grad = prev.grad = None
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext()
+    ctx = torch.autocast(h.device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     with ctx:
         if kind == "ours":
             out, latent, _ = module(h, prev)
@@ -207,7 +219,7 @@ def compare(ours: torch.nn.Module, hf: torch.nn.Module, inputs: dict[str, torch.
         if e > worst:
             worst, worst_name = e, name
     with torch.no_grad():
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext()
+        ctx = torch.autocast(inputs["h"].device.type, dtype=torch.bfloat16) if autocast else nullcontext()
         with ctx:
             r = ours.router(inputs["h"].to(dtype), inputs["prev"].to(dtype))
             _, _, hf_idx, _ = hf.gate(inputs["h"].to(dtype), inputs["prev"].to(dtype))
@@ -221,29 +233,35 @@ def compare(ours: torch.nn.Module, hf: torch.nn.Module, inputs: dict[str, torch.
 PEAK_N = 4096
 
 
-def peak_matmul() -> Callable[[], torch.Tensor]:
-    """A PEAK_N^3 bf16 matmul (2 * PEAK_N^3 FLOPs), the yardstick for this machine's bf16 matmul peak."""
-    a = torch.randn(PEAK_N, PEAK_N).to(torch.bfloat16)
-    b = torch.randn(PEAK_N, PEAK_N).to(torch.bfloat16)
-    out = torch.empty(PEAK_N, PEAK_N, dtype=torch.bfloat16)
+def peak_matmul(device: torch.device, n: int = PEAK_N) -> Callable[[], torch.Tensor]:
+    """An n^3 bf16 matmul (2 * n^3 FLOPs), the yardstick for this machine's bf16 matmul peak."""
+    a = torch.randn(n, n).to(device, torch.bfloat16)
+    b = torch.randn(n, n).to(device, torch.bfloat16)
+    out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
     return lambda: torch.mm(a, b, out=out)
 
 
-def measure_peak(repeats: int = 5) -> float:
-    """Median bf16 matmul throughput (FLOP/s) of PEAK_N^3 matmuls."""
-    mm = peak_matmul()
+def timed(fn: Callable, device: torch.device) -> float:
+    """Seconds that ``fn()`` takes, its device work included (synchronised before and after on a GPU)."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def measure_peak(device: torch.device, n: int = PEAK_N, repeats: int = 5) -> float:
+    """Median bf16 matmul throughput (FLOP/s) of n^3 matmuls."""
+    mm = peak_matmul(device, n)
     mm()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        mm()
-        times.append(time.perf_counter() - t0)
-    return 2 * PEAK_N ** 3 / statistics.median(times)
+    times = [timed(mm, device) for _ in range(repeats)]
+    return 2 * n ** 3 / statistics.median(times)
 
 
-def bench_shape(shape: str, tokens: int, repeats: int) -> dict:
-    inputs = make_inputs(shape, tokens, seed=1)
-    ours32, hf32, cfg = build(shape, 0, inputs)
+def bench_shape(shape: str, tokens: int, repeats: int, device: torch.device, quiet_below: float = 1.0,
+                quiet_timeout: float = 0.0, peak_n: int = PEAK_N) -> dict:
+    inputs = make_inputs(shape, tokens, seed=1, device=device)
+    ours32, hf32, cfg = build(shape, 0, inputs, device)
     ours16, hf16 = bf16_copy(ours32), bf16_copy(hf32)
     # Check tokens: ones whose choice is clear-cut (top-1 ahead of the next class by >= CHECK_MARGIN in biased
     # probability), so that bf16 rounding cannot flip it and a flip would mean a real disagreement.
@@ -284,7 +302,7 @@ def bench_shape(shape: str, tokens: int, repeats: int) -> dict:
         hf16.experts.config._experts_implementation = impl
 
     modes = {
-        "peak": peak_matmul(),
+        "peak": peak_matmul(device, peak_n),
         "ours": lambda: run_once("ours", ours16, inputs, torch.bfloat16, False),
         "ours_autocast": lambda: run_once("ours", ours32, inputs, torch.float32, True),
         "hf_autocast": lambda: (set_hf_impl("eager"), run_once("hf", hf32, inputs, torch.float32, True)),
@@ -295,13 +313,15 @@ def bench_shape(shape: str, tokens: int, repeats: int) -> dict:
     times: dict[str, list[float]] = {m: [] for m in modes}
     for m, fn in modes.items():  # warm-up
         fn()
+    synchronize(device)
+    not_quiet = 0
     for _ in range(repeats):
+        if device.type == "cpu" and quiet_below < 1:
+            not_quiet += not wait_quiet(quiet_below, quiet_timeout)
         for m, fn in modes.items():
-            t0 = time.perf_counter()
-            fn()
-            times[m].append(time.perf_counter() - t0)
+            times[m].append(timed(fn, device))
     med = {m: 1000 * statistics.median(v) for m, v in times.items()}
-    peak = 2 * PEAK_N ** 3 / (med["peak"] / 1000)
+    peak = 2 * peak_n ** 3 / (med["peak"] / 1000)
 
     d, i, k = cfg.hidden_size, cfg.expert_hidden_size, cfg.top_k
     flops = 3 * 2 * tokens * k * (d * 2 * i + i * d)
@@ -323,6 +343,8 @@ def bench_shape(shape: str, tokens: int, repeats: int) -> dict:
         "max_expert_load": round(max_load, 3),
         "repeats": repeats,
         "threads": torch.get_num_threads(),
+        "device": str(device),
+        **({"rounds_not_quiet": not_quiet} if device.type == "cpu" and quiet_below < 1 else {}),
     }
 
 
@@ -331,6 +353,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shapes", default="tiny,base", help="comma-separated subset of: " + ", ".join(SHAPES))
     p.add_argument("--repeats", type=int, default=5, help="timed iterations per mode (after one warm-up)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per forward (split over a batch of 2)")
+    p.add_argument("--peak-n", type=int, default=PEAK_N,
+                   help="size of the square bf16 matmul that measures the peak (smaller for a quick smoke run)")
+    p.add_argument("--device", default="auto", help="auto (a GPU when torch sees one, else the CPU), cpu, cuda, cuda:N")
+    p.add_argument("--quiet-below", type=float, default=0.15,
+                   help="CPU only: before each round, wait until the machine is at most this busy (0.5 s samples of "
+                        "/proc/stat; 1 = do not wait)")
+    p.add_argument("--quiet-timeout", type=float, default=10.0, help="CPU only: longest wait per round, seconds")
     args = p.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     for s in shapes:
@@ -338,11 +367,13 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
     if args.repeats < 1 or args.tokens < 1:
         p.error("--repeats and --tokens must be positive")
-    peak = measure_peak()
-    print(f"# bf16 matmul peak at start (median of 5 x {PEAK_N}^3): {peak / 1e12:.3f} TFLOP/s, "
+    device = resolve_device(args.device)
+    peak = measure_peak(device, args.peak_n)
+    print(f"# bf16 matmul peak at start (median of 5 x {args.peak_n}^3) on {device}: {peak / 1e12:.3f} TFLOP/s, "
           f"{torch.get_num_threads()} threads; fraction_of_peak uses the same matmul timed in every round", flush=True)
     for s in shapes:
-        print(json.dumps(bench_shape(s, args.tokens, args.repeats)), flush=True)
+        print(json.dumps(bench_shape(s, args.tokens, args.repeats, device, args.quiet_below, args.quiet_timeout,
+                                     args.peak_n)), flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ fixed seed and its weights are copied into the HF model under the checkpoint nam
 not occur and the two models train the same function.
 
 One step, for each model: forward with labels (mean next-token cross-entropy over B x (T - 1) positions; zaya takes
-labels already shifted, HF shifts them itself) under ``torch.autocast("cpu", torch.bfloat16)``, backward,
+labels already shifted, HF shifts them itself) under bf16 autocast on the benchmark's device, backward,
 ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW.step()`` (same lr, betas, eps, weight decay, one parameter group; the
 ``fused`` or ``foreach`` implementation, whichever is faster for that model's parameters, measured first), and
 ``zero_grad()``. Weights and optimizer state stay fp32 (master weights); the matmuls run in bf16. zaya's own config
@@ -46,8 +46,13 @@ loss of each model's first step (bf16 autocast, from the shared init); ``*_last_
 step (the same state and batch for all); ``fp32_loss_*``: one fp32 forward of each on the first batch, before any
 step (a tight parity check of the weight copy).
 
+Device: ``--device`` (default ``auto``: the GPU when torch sees one, else the CPU; ``zaya.device.resolve_device``).
+Both models, their optimizers, the data and the peak matmul live there, and autocast runs on that device's type. On
+a GPU the device is synchronised before each timer is read, and the quiet-machine wait and re-timing above are
+skipped (they guard CPU-bound timings; ``others_cpu_share_max`` is still reported).
+
 Run: ``PYTHONPATH=src .venv/bin/python benchmarks/train_step.py [--steps N] [--warmup N] [--threads N] [--verbose]
-[--profile]``; ``--profile`` also prints a torch.profiler table of zaya's step (self CPU time by op).
+[--profile] [--device D]``; ``--profile`` also prints a torch.profiler table of zaya's step (self CPU time by op).
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from collections.abc import Callable
 import torch
 
 from zaya.config import ModelConfig
+from zaya.device import resolve_device, synchronize
 from zaya.model import ZayaForCausalLM
 from zaya.model.hf import hf_config_from_model_config, hf_state_dict
 from zaya.model.info import forward_flops_per_token
@@ -120,7 +126,7 @@ class Trainer:
         return out.loss
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
             loss = self.loss(ids, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -153,14 +159,17 @@ def fastest_optimizer(model: torch.nn.Module, repeats: int = 9) -> tuple[str, di
     for kind in ("fused", "foreach"):
         params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters() if p.requires_grad]
         for p in params:
-            p.grad = torch.randn(p.shape, generator=g) * 1e-3
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(p.device)
         opts[kind] = torch.optim.AdamW(params, **OPTIM, **{kind: True})
         opts[kind].step()
     times: dict[str, list[float]] = {k: [] for k in opts}
+    device = params[0].device
     for _ in range(repeats):
         for kind, opt in opts.items():
+            synchronize(device)
             t0 = time.perf_counter()
             opt.step()
+            synchronize(device)
             times[kind].append(time.perf_counter() - t0)
     med = {k: 1000 * statistics.median(v) for k, v in times.items()}
     return min(med, key=med.get), {k: round(v, 2) for k, v in med.items()}
@@ -204,21 +213,23 @@ def wait_for_quiet(max_busy: float, timeout: float, window: float = 0.5) -> floa
             return time.perf_counter() - start
 
 
-def peak_matmul() -> Callable[[], torch.Tensor]:
-    a = torch.randn(PEAK_N, PEAK_N).to(torch.bfloat16)
-    b = torch.randn(PEAK_N, PEAK_N).to(torch.bfloat16)
-    out = torch.empty(PEAK_N, PEAK_N, dtype=torch.bfloat16)
+def peak_matmul(device: torch.device, n: int = PEAK_N) -> Callable[[], torch.Tensor]:
+    a = torch.randn(n, n).to(device, torch.bfloat16)
+    b = torch.randn(n, n).to(device, torch.bfloat16)
+    out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
     return lambda: torch.mm(a, b, out=out)
 
 
-def batches(n: int, batch: int, seq: int, vocab: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(input ids [B, T], zaya's shifted targets [B, T] with -100 at the last position)."""
+def batches(n: int, batch: int, seq: int, vocab: int, seed: int,
+            device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input ids [B, T], zaya's shifted targets [B, T] with -100 at the last position), drawn on the CPU (the same
+    batches on every device) and placed on ``device``."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         ids = torch.randint(FIRST_TOKEN, vocab, (batch, seq), generator=g)
         targets = torch.cat([ids[:, 1:], torch.full((batch, 1), -100)], dim=1)
-        out.append((ids, targets))
+        out.append((ids.to(device), targets.to(device)))
     return out
 
 
@@ -235,15 +246,19 @@ def profile_ours(trainer: Trainer, data: list, steps: int, rows: int) -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
+    device = data[0][0].device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     ops: dict[str, float] = defaultdict(float)
     nodes: dict[str, float] = defaultdict(float)
     wall = []
     for i in range(steps):
         if trainer._snapshot is not None:
             trainer.restore()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=activities) as prof:
+            synchronize(device)
             t0 = time.perf_counter()
             trainer.step(*data[i % len(data)])
+            synchronize(device)
             wall.append(time.perf_counter() - t0)
         for e in prof.key_averages():
             ops[e.key] += e.self_cpu_time_total / 1000 / steps
@@ -274,10 +289,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="let the models train on instead of restoring the state after the first step before every "
                         "step (with random tokens and no balancing, the routing then collapses onto one expert)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--peak-n", type=int, default=PEAK_N,
+                   help="size of the square bf16 matmul that measures the peak (smaller for a quick smoke run)")
+    p.add_argument("--device", default="auto", help="auto (a GPU when torch sees one, else the CPU), cpu, cuda, cuda:N")
     p.add_argument("--quiet-below", type=float, default=0.1,
-                   help="before each round, wait until other processes use at most this share of the CPUs (sampled "
-                        "over 0.5 s), and time a round again when they used more during it (Linux /proc/stat; "
-                        "1 = neither)")
+                   help="CPU only: before each round, wait until other processes use at most this share of the CPUs "
+                        "(sampled over 0.5 s), and time a round again when they used more during it (Linux "
+                        "/proc/stat; 1 = neither)")
     p.add_argument("--quiet-timeout", type=float, default=300.0, help="longest wait per round, seconds")
     p.add_argument("--max-redo", type=int, default=5, help="most times one round is timed again")
     p.add_argument("--verbose", action="store_true", help="print every round's step times")
@@ -287,12 +305,15 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    quiet = args.quiet_below < 1 and device.type == "cpu"  # the quiet-machine wait and re-timing: CPU runs only
     cfg = model_config(args)
     torch.manual_seed(args.seed)
-    ours = ZayaForCausalLM(cfg).train()
+    ours = ZayaForCausalLM(cfg).train()  # built on the CPU (the same weights on every device), then moved
     hf_modes = [m.strip() for m in args.hf_experts.split(",") if m.strip()]
-    hfs = {m: build_hf(cfg, ours, m) for m in hf_modes}
-    data = batches(args.warmup + args.steps, args.batch, args.seq, cfg.vocab_size, args.seed + 1)
+    hfs = {m: build_hf(cfg, ours, m).to(device) for m in hf_modes}
+    ours.to(device)
+    data = batches(args.warmup + args.steps, args.batch, args.seq, cfg.vocab_size, args.seed + 1, device)
     tokens = args.batch * args.seq
 
     first_hf = hfs[hf_modes[0]]
@@ -310,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# AdamW step alone, median ms: {opt_ms}; using {({k: t.optimizer_kind for k, t in trainers.items()})}",
           flush=True)
 
-    peak = peak_matmul()
+    peak = peak_matmul(device, args.peak_n)
     peak()
     reset = not args.free_running
     for i in range(args.warmup):
@@ -326,24 +347,28 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.steps):
         batch = data[args.warmup + r]
         for attempt in range(args.max_redo + 1):
-            if args.quiet_below < 1:
+            if quiet:
                 waited += wait_for_quiet(args.quiet_below, args.quiet_timeout)
             meter.start()
             got = {}
             for k, t in trainers.items():
                 if reset:
                     t.restore()
+                synchronize(device)
                 t0 = time.perf_counter()
                 t.step(*batch)
+                synchronize(device)
                 got[k] = time.perf_counter() - t0
+            synchronize(device)
             t0 = time.perf_counter()
             peak()
+            synchronize(device)
             got["peak"] = time.perf_counter() - t0
             busy = meter.stop()
             if args.verbose:
                 print(f"# round {r}: " + ", ".join(f"{k} {1000 * v:.1f} ms" for k, v in got.items())
                       + f"; others used {100 * busy:.0f}% of the CPUs meanwhile", flush=True)
-            if busy <= args.quiet_below or attempt == args.max_redo or args.quiet_below >= 1:
+            if not quiet or busy <= args.quiet_below or attempt == args.max_redo:
                 break
             redone += 1  # another process competed for the cores during this round: time it again
         for k, v in got.items():
@@ -352,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         counts = trainers["ours"].tokens_per_expert[:, : cfg.num_experts].float()
         loads.append(counts.max(1).values / counts.sum(1).clamp_min(1) * cfg.num_experts)
     med = {k: statistics.median(v) for k, v in times.items()}
-    peak_flops = 2 * PEAK_N ** 3 / med["peak"]
+    peak_flops = 2 * args.peak_n ** 3 / med["peak"]
 
     flops_per_token = 3 * sum(forward_flops_per_token(cfg, context=args.seq // 2).values())
     ours_tps = tokens / med["ours"]
@@ -385,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
         "warmup": args.warmup,
         "steps": args.steps,
         "threads": torch.get_num_threads(),
+        "device": str(device),
     }
     print(json.dumps(result), flush=True)
 

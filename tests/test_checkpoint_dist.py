@@ -1,6 +1,7 @@
 """Checkpoints across ranks (gloo): saved at world 4, loaded at 2 and 1 under another parallel mode, with every
-tensor of the model and the optimizers identical and the data loader's exactly-once guarantee kept; and the RAM
-tier restoring FSDP2 shards at the same world size."""
+tensor of the model and the optimizers identical and the data loader's exactly-once guarantee kept; each rank
+staging and writing only the entries it owns; and the RAM tier restoring DDP's and ZeRO-1's replicated state (each
+rank's file holding only its owned part) and FSDP2's shards at the same world size."""
 
 from __future__ import annotations
 
@@ -94,13 +95,57 @@ def loader_for(data: str, rank: int, world: int):
 def store_for(root: str, rank: int, world: int, mode: str, ram: bool):
     from zaya.checkpoint.store import CheckpointStore
     from zaya.config import CheckpointConfig
+    from zaya.dist.runtime import Runtime
 
     cfg = CheckpointConfig(async_save=True, ram_tier=ram, ram_dir=f"{root}/shm")
-    return CheckpointStore(Path(root) / "run" / "checkpoints", cfg, rank=rank, world_size=world,
-                           distributed=world > 1, parallel=mode, log=lambda s: None, timeout_s=120)
+    runtime = Runtime(rank, world, rank, torch.device("cpu"), world > 1, timeout_s=120)
+    return CheckpointStore(Path(root) / "run" / "checkpoints", cfg, runtime, parallel=mode, log=lambda s: None)
 
 
-def save_phase(rank: int, world: int, mode: str, root: str, data: str, ram: bool) -> None:
+def parts_of(par, optimizers, loader) -> dict:
+    from zaya.checkpoint.parts import ModelState, OptimizerState
+
+    return {"model": ModelState(par.module), "optim": OptimizerState(par.module, optimizers), "loader": loader}
+
+
+def gather(obj, world: int) -> list:
+    if world == 1:
+        return [obj]
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def check_ownership(store, parts: dict, outcome, rank: int, world: int, mode: str, ram: bool) -> dict:
+    """Each rank staged and wrote only what it owns: together exactly the checkpoint's tensors, each about 1/world
+    of them under DDP and ZeRO-1 (not the whole replicated state); its RAM-tier file holds only that part."""
+    from zaya.checkpoint.parts import split_state
+    from zaya.checkpoint.staging import tensor_bytes
+
+    flat = {}
+    for name, part in parts.items():
+        flat.update(split_state(name, part.state_dict())[2])
+    held = tensor_bytes(flat)  # what every rank used to stage and RAM-copy
+    staged = store._buffers.nbytes
+    assert staged == outcome.rank_bytes, (staged, outcome.rank_bytes)
+    rows = gather({"held": held, "staged": staged, "total": outcome.nbytes}, world)
+    total = rows[0]["total"]
+    assert sum(r["staged"] for r in rows) == total, rows
+    if world > 1 and mode in ("ddp", "zero1"):
+        for r in rows:
+            assert r["staged"] < r["held"], rows
+            assert abs(r["staged"] - total / world) <= 0.15 * total, rows  # size-balanced
+    if ram:
+        saved = torch.load(store.ram.data_path, weights_only=True)
+        assert saved["tensors"].keys() == store._ownership.owned(flat).keys()
+        assert tensor_bytes(saved["tensors"]) == staged
+        keys = gather(sorted(saved["tensors"]), world)
+        if mode in ("ddp", "zero1"):  # replicated keys are in exactly one rank's file
+            assert sum(len(k) for k in keys) == len(set().union(*map(set, keys)))
+    return {"held": rows[rank]["held"], "staged": rows[rank]["staged"], "total": total}
+
+
+def save_phase(rank: int, world: int, mode: str, root: str, data: str, ram: bool) -> dict:
     par, optimizers = build(mode, rank, world, seed=0)
     loader = loader_for(data, rank, world)
     seen = []
@@ -114,22 +159,27 @@ def save_phase(rank: int, world: int, mode: str, root: str, data: str, ram: bool
         par.model.zero_grad(set_to_none=True)
         par.after_step()
     store = store_for(root, rank, world, mode, ram)
-    meta = {"step": 2, "loader": loader.state_dict()}
-    assert store.save(2, par.module, optimizers, meta) is None  # async: the background thread writes it
+    parts = parts_of(par, optimizers, loader)
+    assert store.save(2, parts, {"tokens": 0}) is None  # async: the background thread writes it
     reference = full_state(par, optimizers, world)
-    assert store.wait().ok
+    outcome = store.wait()
+    assert outcome.ok
+    sizes = check_ownership(store, parts, outcome, rank, world, mode, ram)
     seen = gather_windows(seen, world)
     if rank == 0:
         torch.save({"state": reference, "seen": seen}, f"{root}/reference.pt")
     store.close()
+    return sizes
 
 
 def load_phase(rank: int, world: int, mode: str, root: str, data: str, ram: bool, expect_from: str) -> None:
     par, optimizers = build(mode, rank, world, seed=1)  # other initial values: all must come from the file
+    loader = loader_for(data, rank, world)
     store = store_for(root, rank, world, mode, ram)
     path = store.select("auto")
-    meta = store.load(path, par.module, optimizers)
+    meta = store.load(path, parts_of(par, optimizers, loader))  # the loader's position too
     assert meta["loaded_from"] == expect_from, meta["loaded_from"]
+    assert meta["step"] == 2 and meta["parts"] == ["model", "optim", "loader"] and "loader" in meta
     reference = torch.load(f"{root}/reference.pt", weights_only=False)
     got = full_state(par, optimizers, world)
     assert got.keys() == reference["state"].keys(), sorted(set(got) ^ set(reference["state"]))
@@ -140,8 +190,6 @@ def load_phase(rank: int, world: int, mode: str, root: str, data: str, ram: bool
 
     expected = Counter(split_windows(PreparedDataset(data), "train", SEQ))
     n = sum(expected.values())
-    loader = loader_for(data, rank, world)
-    loader.load_state_dict(meta["loader"])
     seen = list(reference["seen"])
     for _ in range(math.ceil((n - len(seen)) / (world * MICRO))):
         seen += gather_windows(windows(next(loader)), world)
@@ -184,10 +232,22 @@ def test_save_at_4_ranks_load_at_2_and_1(tmp_path, data, saved_as, loaded_as):
     launch(1, "load", loaded_as[1], root, data, False, "disk")
 
 
-def test_ram_tier_restores_fsdp_shards_at_the_same_world_size(tmp_path, data):
-    root = str(tmp_path)
-    launch(2, "save", "fsdp", root, data, True)
-    launch(2, "load", "fsdp", root, data, True, "ram")
+def ram_phase(rank: int, world: int, root: str, data: str) -> None:
+    """For each mode: an async save with the RAM tier, then a restart (a new model, optimizers, loader and store:
+    what a crashed process would build) that must restore it from the RAM tier, bit-identical on every rank."""
+    for mode in ("ddp", "zero1", "fsdp"):
+        where = f"{root}/{mode}"
+        if rank == 0:
+            os.makedirs(where)
+        dist.barrier()
+        sizes = save_phase(rank, world, mode, where, data, True)
+        print(f"[{mode} rank {rank}] staged {sizes['staged']:,} of {sizes['held']:,} bytes held "
+              f"(checkpoint {sizes['total']:,})", flush=True)
+        load_phase(rank, world, mode, where, data, True, "ram")
+
+
+def test_ram_tier_restores_replicated_state_and_fsdp_shards_at_the_same_world_size(tmp_path, data):
+    mp.spawn(_entry_fn, args=(2, free_port(), ram_phase, str(tmp_path), data), nprocs=2, join=True)
 
 
 def uneven_async_phase(rank: int, world: int, root: str) -> None:
@@ -206,11 +266,14 @@ def uneven_async_phase(rank: int, world: int, root: str) -> None:
     if rank == 1:
         real = store._write
         store._write = lambda *a: (real(*a), time.sleep(1.5))[0]
-    store.save(1, model, [opt], {})
+    from zaya.checkpoint.parts import ModelState, OptimizerState
+
+    parts = {"model": ModelState(model), "optim": OptimizerState(model, [opt])}
+    store.save(1, parts, {})
     time.sleep(0.7)
     assert not store.poll_failed()
     assert (store._thread is None) == (rank == 0)  # the asymmetry this test is about
-    store.save(2, model, [opt], {})
+    store.save(2, parts, {})
     assert store.wait().ok
     store.close()
 

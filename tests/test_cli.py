@@ -32,14 +32,14 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
 
 def test_trainer_refuses_a_model_vocab_that_does_not_match_the_data(tmp_path, capsys, micro_config):
     cfg = micro_config()
-    assert main(["train", "--config", str(cfg), "--set", "model.vocab_size=384"]) == 2
+    assert main(["train", "--config", str(cfg), "--set", "model.vocab_size=384"]) == 3  # a data error
     err = capsys.readouterr().err
     assert "model.vocab_size" in err and "512" in err and "384" in err
 
 
 def test_trainer_refuses_a_missing_dataset(tmp_path, capsys, micro_config):
     cfg = micro_config()
-    assert main(["train", "--config", str(cfg), "--set", f'data.datasets.shakespeare="{tmp_path / "nope"}"']) == 2
+    assert main(["train", "--config", str(cfg), "--set", f'data.datasets.shakespeare="{tmp_path / "nope"}"']) == 3
     err = capsys.readouterr().err
     assert "nope" in err and "zaya data prepare" in err
 
@@ -89,7 +89,7 @@ def test_train_end_to_end_micro(tmp_path, capsys, micro_config):
     assert main(["generate", "--checkpoint", str(run), "--prompt", "JULIET:", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("JULIET:")
     assert main(["eval", "--checkpoint", str(run / "checkpoints" / "step-00000003"), "--data",
-                 str(Path(str(cfg)).parent), "--json"]) == 2  # not a dataset
+                 str(Path(str(cfg)).parent), "--json"]) == 3  # not a dataset: a data error
     capsys.readouterr()
 
 

@@ -424,7 +424,7 @@ def test_flipped_byte_detected_by_verify_and_cli(tmp_path, capsys):
     with pytest.raises(DatasetError, match=r"val-00001\.zb"):
         PreparedDataset(out, verify=True)
     capsys.readouterr()
-    assert main(["data", "inspect", str(out), "--verify"]) == 2
+    assert main(["data", "inspect", str(out), "--verify"]) == 3  # a data error
     err = capsys.readouterr().err
     assert err.startswith("zaya: error: ") and "val-00001.zb" in err and "sha256" in err
 
@@ -569,7 +569,7 @@ def test_cli_prepare_then_inspect(tmp_path, capsys):
     assert f"verified   {n_files} file(s)" in text
 
 
-def test_cli_errors_exit_2(tmp_path, capsys):
+def test_cli_errors_exit_2_or_3(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("text\n")
     base = ["data", "prepare", "--input", str(tmp_path / "a.txt"), "--vocab-size", "320"]
     assert main([*base, "--out", str(tmp_path / "ds")]) == 0
@@ -580,10 +580,10 @@ def test_cli_errors_exit_2(tmp_path, capsys):
         ([*base, "--out", str(tmp_path / "x"), "--val-fraction", "1.5"], "--val-fraction 1.5"),
         (["data", "prepare", "--input", str(tmp_path / "a.txt"), "--vocab-size", "300", "--out", str(tmp_path / "x")],
          "vocab size 300"),
-        (["data", "inspect", str(tmp_path / "nowhere")], "nowhere: no such dataset directory"),
     ]
-    for argv, needle in cases:
-        assert main(argv) == 2, argv
+    data_errors = [(["data", "inspect", str(tmp_path / "nowhere")], "nowhere: no such dataset directory")]
+    for argv, needle in cases + data_errors:
+        assert main(argv) == (3 if (argv, needle) in data_errors else 2), argv
         err = capsys.readouterr().err
         last = err.splitlines()[-1]  # prepare may log progress to stderr before failing
         assert last.startswith("zaya: error: ") and needle in last, (argv, err)

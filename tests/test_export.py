@@ -18,7 +18,7 @@ from zaya.checkpoint.consolidate import load_for_inference
 from zaya.checkpoint.export import export
 from zaya.cli import main
 from zaya.model.hf import load_hf
-from zaya.model.io import load_pretrained
+from zaya.model.io import load_directory as load_pretrained
 
 STEPS = 2
 
@@ -178,7 +178,7 @@ def test_incomplete_checkpoint_is_refused(tmp_path, capsys, run):
     shutil.copytree(partial, lone_run / "checkpoints" / step_dir(run).name)
     for source in (partial, lone_run):
         out = tmp_path / f"out-{source.name}"
-        assert main(["export", "--checkpoint", str(source), "--to", str(out)]) == 2
+        assert main(["export", "--checkpoint", str(source), "--to", str(out)]) == 5  # a checkpoint error
         err = one_line_error(capsys)
         assert str(source) in err and "complete" in err
         assert not out.exists()
@@ -192,7 +192,7 @@ def test_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, capsys, run):
     data[len(data) // 2] ^= 0x10
     victim.write_bytes(bytes(data))
     out = tmp_path / "out"
-    assert main(["export", "--checkpoint", str(bad), "--to", str(out)]) == 2
+    assert main(["export", "--checkpoint", str(bad), "--to", str(out)]) == 5  # a checkpoint error
     err = one_line_error(capsys)
     assert victim.name in err and "fails its checksum" in err
     assert not out.exists()

@@ -43,6 +43,13 @@ VOCAB = 128
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
+def convert(src, dst, to: str, dtype: str = "keep", overwrite: bool = False) -> Path:
+    """Between the zaya and Hugging Face layouts (``to`` = "hf" or "zaya"): ``zaya export`` in that format."""
+    from zaya.checkpoint.export import export
+
+    return export(src, dst, format="hf" if to == "hf" else "safetensors", dtype=dtype, overwrite=overwrite)
+
+
 def hf_config(**overrides) -> ZayaConfig:
     values = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_experts=4, moe_intermediate_size=32, router_hidden_size=16,
@@ -220,10 +227,10 @@ def test_loader_keeps_balancing_biases_through_conversion(tmp_path):
         for i, want in enumerate(saved):
             assert torch.equal(f.get_tensor(f"model.layers.{i}.mlp.gate.balancing_biases"), want)
     # ... through HF -> zaya -> HF ...
-    zhf.convert(tmp_path / "hf", tmp_path / "zaya", to="zaya")
+    convert(tmp_path / "hf", tmp_path / "zaya", to="zaya")
     for got, want in zip(balancing_biases_zaya(zaya.load_pretrained(tmp_path / "zaya")), saved):
         assert torch.equal(got, want)
-    zhf.convert(tmp_path / "zaya", tmp_path / "hf2", to="hf")
+    convert(tmp_path / "zaya", tmp_path / "hf2", to="hf")
     for got, want in zip(balancing_biases_zaya(zaya.load_pretrained(tmp_path / "hf2")), saved):
         assert torch.equal(got, want)
 
@@ -274,8 +281,8 @@ def test_hf_zaya_hf_round_trip_is_bit_exact(tmp_path, dtype):
     extra = {} if dtype == torch.float32 else dict(tie_word_embeddings=False, pad_token_id=None, eos_token_id=[106, 1])
     hf = make_hf_model(**extra).to(dtype)
     hf.save_pretrained(tmp_path / "hf")
-    zhf.convert(tmp_path / "hf", tmp_path / "zaya", to="zaya")
-    zhf.convert(tmp_path / "zaya", tmp_path / "back", to="hf")
+    convert(tmp_path / "hf", tmp_path / "zaya", to="zaya")
+    convert(tmp_path / "zaya", tmp_path / "back", to="hf")
 
     original = read_dir_tensors(tmp_path / "hf")
     back = read_dir_tensors(tmp_path / "back")
@@ -314,8 +321,8 @@ def native_zaya_model(dtype: torch.dtype = torch.float32) -> ZayaForCausalLM:
 def test_zaya_hf_zaya_round_trip_is_bit_exact(tmp_path, dtype):
     model = native_zaya_model(dtype)
     zio.save_checkpoint(model, tmp_path / "zaya")
-    zhf.convert(tmp_path / "zaya", tmp_path / "hf", to="hf")
-    zhf.convert(tmp_path / "hf", tmp_path / "back", to="zaya")
+    convert(tmp_path / "zaya", tmp_path / "hf", to="hf")
+    convert(tmp_path / "hf", tmp_path / "back", to="zaya")
     assert_same_tensors(load_file(str(tmp_path / "zaya" / "model.safetensors")),
                         load_file(str(tmp_path / "back" / "model.safetensors")))
     first = json.loads((tmp_path / "zaya" / "zaya.json").read_text())
@@ -331,7 +338,7 @@ def test_zaya_hf_zaya_round_trip_is_bit_exact(tmp_path, dtype):
 def test_convert_to_other_dtype(tmp_path):
     hf = make_hf_model().to(torch.bfloat16)
     hf.save_pretrained(tmp_path / "hf")
-    zhf.convert(tmp_path / "hf", tmp_path / "f32", to="hf", dtype="float32")
+    convert(tmp_path / "hf", tmp_path / "f32", to="hf", dtype="float32")
     config = json.loads((tmp_path / "f32" / "config.json").read_text())
     assert config["dtype"] == "float32"
     tensors = read_dir_tensors(tmp_path / "f32")
@@ -410,10 +417,10 @@ def test_convert_refuses_existing_destination(tmp_path, hf_dir):
     (dst / "keep.txt").write_text("precious")
     for to in ("zaya", "hf"):
         with pytest.raises(FileExistsError):
-            zhf.convert(hf_dir, dst, to=to)
+            convert(hf_dir, dst, to=to)
     assert [p.name for p in dst.iterdir()] == ["keep.txt"] and (dst / "keep.txt").read_text() == "precious"
     assert no_temp_dirs(tmp_path)
-    zhf.convert(hf_dir, dst, to="zaya", overwrite=True)
+    convert(hf_dir, dst, to="zaya", overwrite=True)
     assert sorted(p.name for p in dst.iterdir()) == ["model.safetensors", "zaya.json"]
     assert no_temp_dirs(tmp_path)
 
@@ -429,21 +436,21 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, hf_dir, monkeypatch, 
         raise OSError("disk full (injected)")
 
     src = tmp_path / "src"
-    zhf.convert(hf_dir, src, to="hf" if to == "zaya" else "zaya")
+    convert(hf_dir, src, to="hf" if to == "zaya" else "zaya")
     monkeypatch.setattr(module, "save_file", failing_save)
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(OSError, match="injected"):
-        zhf.convert(src, out / "dst", to=to)
+        convert(src, out / "dst", to=to)
     assert calls and list(out.iterdir()) == []
 
     # Overwriting a good destination that then fails keeps the old one intact.
     monkeypatch.setattr(module, "save_file", real_save)
-    zhf.convert(src, out / "dst", to=to)
+    convert(src, out / "dst", to=to)
     before = {p.name: p.read_bytes() for p in (out / "dst").iterdir()}
     monkeypatch.setattr(module, "save_file", failing_save)
     with pytest.raises(OSError, match="injected"):
-        zhf.convert(src, out / "dst", to=to, overwrite=True)
+        convert(src, out / "dst", to=to, overwrite=True)
     assert {p.name: p.read_bytes() for p in (out / "dst").iterdir()} == before
     assert [p.name for p in out.iterdir()] == ["dst"]
 

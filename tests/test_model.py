@@ -408,6 +408,60 @@ def test_generate_is_reproducible_and_greedy_matches_argmax():
     assert torch.equal(greedy, seq)
 
 
+def _generate_checking_every_token(model, prompt, max_new_tokens, eos, **kw):
+    """generate() as it was: the same decode loop, asking after every token whether every row emitted eos."""
+    from zaya.model.zaya import sample_next
+
+    b, t = prompt.shape
+    state = model.new_state(b, t + max_new_tokens)
+    gen = torch.Generator().manual_seed(kw["seed"]) if "seed" in kw else None
+    with torch.no_grad():
+        logits = model(prompt, state=state, logits_to_keep=1).logits[:, -1]
+        done = torch.zeros(b, dtype=torch.bool)
+        tokens = []
+        for step in range(max_new_tokens):
+            token = sample_next(logits, kw.get("temperature", 1.0), kw.get("top_k"), None, gen)
+            token = torch.where(done, torch.full_like(token, eos), token)
+            done |= token == eos
+            tokens.append(token)
+            if step + 1 == max_new_tokens or bool(done.all()):
+                break
+            logits = model(token[:, None], state=state).logits[:, -1]
+    out = torch.cat([prompt, torch.stack(tokens, 1)], 1)
+    return torch.cat([out, torch.full((b, t + max_new_tokens - out.shape[1]), eos)], 1)
+
+
+def test_generate_eos_stop_checked_every_16_tokens_gives_the_same_output():
+    from zaya.dist.checks import HostReads
+    from zaya.model.zaya import EOS_CHECK_EVERY
+
+    torch.manual_seed(0)
+    model = ZayaForCausalLM(tiny_config(num_layers=2)).eval()
+    perturb(model, seed=5)
+    prompt = torch.randint(0, 97, (2, 4), generator=torch.Generator().manual_seed(2))
+    n = EOS_CHECK_EVERY + 4
+    sampled = dict(temperature=1.0, top_k=8, seed=3)
+    free = model.generate(prompt, n, **sampled)[:, 4:]
+    greedy = model.generate(prompt, n, temperature=0)[:, 4:]
+    # eos = a token both rows sample early (all rows finish before the first check: the early stop is exercised),
+    # the first greedy token of row 0 only (one row finishes), or a token no row emits.
+    both = set(free[0, :8].tolist()) & set(free[1, :8].tolist())
+    assert both
+    never = next(tok for tok in range(97) if not (greedy == tok).any())
+    cases = [(min(both), sampled), (int(greedy[0, 0]), dict(temperature=0)), (never, dict(temperature=0))]
+    for i, (eos, kw) in enumerate(cases):
+        want = _generate_checking_every_token(model, prompt, n, eos, **kw)
+        if i == 0:  # one read for the prompt's ids, then one per EOS_CHECK_EVERY decoded tokens (here: it stops)
+            with HostReads() as reads:
+                got = model.generate(prompt, n, eos_token_id=eos, **kw)
+            assert reads.total == 1 + n // EOS_CHECK_EVERY, reads.report()
+            assert (want[:, 4 + EOS_CHECK_EVERY:] == eos).all()
+        else:
+            got = model.generate(prompt, n, eos_token_id=eos, **kw)
+        assert torch.equal(got, want), (eos, kw)
+    assert (want[:, 4:] == never).sum() == 0
+
+
 def test_sampling_respects_top_k_and_top_p():
     from zaya.model.zaya import sample_next
 
@@ -428,8 +482,13 @@ def test_residual_stream_is_fp32_with_bf16_weights():
 
 def test_forward_rejects_bad_inputs():
     model = ZayaForCausalLM(tiny_config())
-    with pytest.raises(ValueError, match="vocab_size"):
-        model(torch.tensor([[1, 200]]))
+    with pytest.raises(ValueError, match="id 200, outside \\[0, vocab_size=97\\)"):
+        model.check_input_ids(torch.tensor([[1, 200]]))
+    with pytest.raises(ValueError, match="id -3, outside"):
+        model.check_input_ids(torch.tensor([[-3, 2]]))
+    model.check_input_ids(torch.tensor([[0, 96]]))
+    with pytest.raises(ValueError, match="vocab_size=97"):  # generate checks its prompt
+        model.generate(torch.tensor([[1, 97]]), 2)
     with pytest.raises(ValueError, match="attention_mask shape"):
         model(torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 3))
     state = model.new_state(1, 4)

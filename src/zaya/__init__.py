@@ -3,11 +3,14 @@
 __version__ = "0.1.0"
 
 
-def load_pretrained(path, **kwargs):
-    """Load a model from a Hugging Face `zaya` directory or a zaya checkpoint (see zaya.model.io)."""
-    from zaya.model.io import load_pretrained as _load
+def load_pretrained(path, dtype=None, device="cpu"):
+    """A ``ZayaForCausalLM`` in eval mode from a run directory (its newest complete checkpoint), a training
+    checkpoint (any world size), a zaya checkpoint or a Hugging Face ``zaya`` directory; the same loader as
+    ``zaya generate``/``eval``/``export`` (``zaya.checkpoint.consolidate.load_for_inference``). Tensors keep their
+    stored dtype unless ``dtype`` (a torch.dtype) is given."""
+    from zaya.checkpoint.consolidate import load_for_inference
 
-    return _load(path, **kwargs)
+    return load_for_inference(path, device=device, dtype=dtype)[0]
 
 
 __all__ = ["__version__", "load_pretrained"]

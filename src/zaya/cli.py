@@ -1,18 +1,25 @@
 """The ``zaya`` command: parse arguments, call one function per verb, print the result.
 
-Heavy modules (torch, the model) are imported inside each verb, so ``zaya --help`` is instant. Errors a user can
-fix (a bad config key, a missing directory, an existing destination) print one line, ``zaya: error: ...``, and exit
-with status 2; set ZAYA_DEBUG=1 to see the traceback instead.
+Heavy modules (torch, the model) are imported inside each verb, so ``zaya --help`` is instant. Exit codes follow
+the table in ``zaya.errors`` (docs/architecture.md): 0 finished, 2 a config or input error, 3 a data error, 4 a
+non-finite loss, 5 a checkpoint failure, 6 a collective timeout or lost peer, 75 stopped by a signal with a
+checkpoint written, 70 an internal error (a bug: the traceback is printed). A known error prints one line,
+``zaya: error: ...``; set ZAYA_DEBUG=1 to see its traceback too.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
+import traceback
 from typing import Any, Sequence
+
+from zaya import errors
+
+# Verbs that only read and write files (no training or model step): a ValueError there is about their input.
+_FILE_VERBS = {"info", "export", "convert", "plot", "data"}
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -23,12 +30,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"train.run_dir={json.dumps(args.run_dir)}")
     if args.max_steps is not None:
         overrides.append(f"train.max_steps={args.max_steps}")
+    if args.device is not None:
+        overrides.append(f"train.device={json.dumps(args.device)}")
     config = load_config(args.config, overrides)
 
     from zaya.train.trainer import train
 
     summary = train(config, resume=args.resume)
-    return 0 if summary is not None else 1
+    return errors.INTERRUPTED if summary.get("interrupted") else errors.FINISHED
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -81,10 +90,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from zaya.checkpoint.export import export
+    from zaya.checkpoint.export import convert
 
-    export(args.src, args.dst, format="hf" if args.to == "hf" else "safetensors", dtype=args.dtype,
-           overwrite=args.force, log=print)
+    convert(args.src, args.dst, to=args.to, dtype=args.dtype, overwrite=args.force, log=print)
     return 0
 
 
@@ -96,32 +104,45 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_model_and_tokenizer(args: argparse.Namespace):
+def _load(args: argparse.Namespace, need_tokenizer: bool):
+    """(model on --device, tokenizer or None, description): loading errors are input errors (exit code 2)."""
     from zaya.checkpoint.consolidate import describe, load_for_inference
     from zaya.data.tokenizer import Tokenizer
+    from zaya.device import resolve_device
 
-    model, tokenizer_path, directory = load_for_inference(args.checkpoint)
+    device = resolve_device(args.device)
+    try:
+        model, tokenizer_path, directory = load_for_inference(args.checkpoint, device=device)
+    except (ValueError, KeyError) as exc:
+        if isinstance(exc, errors.ZayaError):
+            raise
+        raise errors.ConfigError(f"{args.checkpoint}: cannot be loaded ({exc})") from exc
     tokenizer_path = args.tokenizer or tokenizer_path
-    if tokenizer_path is None:
-        raise FileNotFoundError(f"{directory}: no tokenizer.json beside this checkpoint; pass --tokenizer FILE")
-    return model, Tokenizer.from_file(tokenizer_path), describe(directory)
+    if tokenizer_path is None and need_tokenizer:
+        raise errors.ConfigError(f"{directory}: no tokenizer.json beside this checkpoint; pass --tokenizer FILE")
+    tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path is not None else None
+    return model, tokenizer, describe(directory)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    model, tokenizer, where = _load_model_and_tokenizer(args)
+    from zaya.device import autocast
+
+    if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
+        raise errors.ConfigError("--max-new-tokens and --temperature must be >= 0 and --top-p in (0, 1]")
+    model, tokenizer, where = _load(args, need_tokenizer=True)
+    device = next(model.parameters()).device
     eos = model.config.eos_token_id
     prompt_ids = ([eos] if args.document_start else []) + tokenizer.encode(args.prompt)
     if not prompt_ids:
-        raise ValueError("--prompt is empty and --no-document-start was given: nothing to condition on")
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bfloat16" else None
-    with torch.no_grad(), (autocast or torch.autocast("cpu", enabled=False)):
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=args.max_new_tokens,
+        raise errors.ConfigError("--prompt is empty and --no-document-start was given: nothing to condition on")
+    with torch.no_grad(), autocast(device, args.dtype):
+        out = model.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
                              seed=args.seed, eos_token_id=None if args.ignore_eos else eos)
     text = tokenizer.decode(out[0, 1 if args.document_start else 0:].tolist(), skip_special_tokens=True)
-    print(f"# {where}", file=sys.stderr)
+    print(f"# {where} on {device}", file=sys.stderr)
     print(text)
     return 0
 
@@ -131,17 +152,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from zaya.data.loader import check_vocabulary
     from zaya.eval.perplexity import evaluate_loss
 
-    model, _, where = _load_model_and_tokenizer(args) if args.tokenizer else (None, None, None)
-    if model is None:
-        from zaya.checkpoint.consolidate import describe, load_for_inference
-
-        model, _, directory = load_for_inference(args.checkpoint)
-        where = describe(directory)
+    model, _, where = _load(args, need_tokenizer=False)
     dataset = PreparedDataset(args.data)
     check_vocabulary(dataset, model.config.vocab_size, model.config.eos_token_id)
     result = evaluate_loss(model, dataset, seq_len=args.seq_len, batch_size=args.batch_size,
                            max_batches=args.max_batches, split=args.split, dtype=args.dtype)
-    result = {"checkpoint": where, "data": str(args.data), **result}
+    result = {"checkpoint": where, "data": str(args.data), "device": str(next(model.parameters()).device),
+              **result}
     if args.json:
         print(json.dumps(result))
     else:
@@ -212,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value (TOML syntax), e.g. --set optim.lr=1e-3; repeatable")
     p.add_argument("--run-dir", metavar="DIR", help="override train.run_dir")
     p.add_argument("--max-steps", type=int, metavar="N", help="override train.max_steps")
+    p.add_argument("--device", metavar="DEVICE", help="override train.device: auto (default: the GPU of each rank "
+                                                       "when there is one), cpu, cuda or cuda:N")
     p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
                    help="auto: continue from the newest complete checkpoint in the run dir (default); never: "
                         "start fresh (an existing run dir is moved aside); PATH: a checkpoint or run directory")
@@ -239,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace an existing DIR (only once the new export is complete)")
     p.set_defaults(func=_cmd_export)
 
-    p = verbs.add_parser("convert", help="convert a checkpoint between the zaya and Hugging Face layouts")
+    p = verbs.add_parser("convert", help="alias of export: --to hf (--format hf) or --to zaya (--format safetensors)")
     p.add_argument("--to", required=True, choices=("hf", "zaya"), help="layout to write")
     p.add_argument("--src", required=True, metavar="DIR",
                    help="a run directory, a training checkpoint, a zaya checkpoint or a Hugging Face directory")
@@ -268,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not put an eos before the prompt (by default the prompt starts a new document)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past an end of document")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
     p.set_defaults(func=_cmd_generate)
 
     p = verbs.add_parser("eval", help="validation loss and perplexity of a checkpoint on a prepared dataset")
@@ -279,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batches", type=int, default=None, metavar="N", help="default: the whole split")
     p.add_argument("--tokenizer", metavar="FILE", help="unused by eval except to check it loads")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=_cmd_eval)
 
@@ -322,22 +343,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = bool(os.environ.get("ZAYA_DEBUG"))
     try:
         return args.func(args)
-    except (FileNotFoundError, FileExistsError, ValueError) as err:  # ConfigError is a ValueError
-        if os.environ.get("ZAYA_DEBUG"):
-            raise
-        message = str(err) if not isinstance(err, OSError) or err.filename is None else _os_message(err)
-        print(f"zaya: error: {message}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:
-        if getattr(err, "exit_code", None) is None or os.environ.get("ZAYA_DEBUG"):
+    except KeyboardInterrupt:
+        print("zaya: interrupted", file=sys.stderr)
+        return errors.INTERRUPTED_AT_ONCE
+    except errors.ZayaError as err:
+        if debug:
             raise
         print(f"zaya: error: {err}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print("zaya: interrupted", file=sys.stderr)
-        return 130
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError) as err:
+        # A path the user named (a config, a checkpoint, a destination): an input error.
+        if debug:
+            raise
+        message = _os_message(err) if err.filename is not None else str(err)
+        print(f"zaya: error: {message}", file=sys.stderr)
+        return errors.CONFIG_ERROR
+    except ValueError as err:
+        if args.verb not in _FILE_VERBS:
+            return _internal(err)
+        if debug:
+            raise
+        print(f"zaya: error: {err}", file=sys.stderr)
+        return errors.CONFIG_ERROR
+    except Exception as err:  # noqa: BLE001 - anything else is a bug, reported as one
+        return _internal(err)
+
+
+def _internal(err: BaseException) -> int:
+    """An exception zaya did not raise on purpose (a torch error inside a step, say): a bug, never a config error."""
+    traceback.print_exception(err)
+    print(f"zaya: internal error ({type(err).__name__}: {err}); this is a bug: please report it with the traceback "
+          "above", file=sys.stderr)
+    return errors.INTERNAL_ERROR
 
 
 def _os_message(err: OSError) -> str:

@@ -15,9 +15,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from zaya.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A configuration file or value that breaks a rule; the message says which key and how to fix it."""
+__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "StageConfig",
+           "TrainConfig", "config_differences", "load_config", "resumable"]
+
+
+def resumable(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A config field that may change when a run is resumed: it drives how the run is carried out (how long,
+    where, how often it logs or saves, on which devices and with which parallelism), not what it computes.
+    ``config_differences`` ignores such fields when it decides whether a run directory belongs to a config."""
+    return field(default=default, default_factory=default_factory, metadata={"resumable": True})
 
 
 @dataclass
@@ -183,8 +191,10 @@ class OptimConfig:
     """Muon's Newton-Schulz: "auto" (the cheaper of Gram-space and standard per shape), "standard", "gram" or
     "reference" (torch.optim.Muon's exact operations)."""
     muon_distributed: str = "auto"
-    """Muon across ranks: "auto" (ddp and fsdp: each matrix orthogonalised by one rank, results shared; zero1
-    already splits the parameters) or "local" (every rank orthogonalises all it steps; for comparison)."""
+    """Muon across ranks: "auto" (ddp: each matrix orthogonalised by one rank of the data-parallel group, results
+    broadcast; fsdp: each 2-D matrix by one rank of the mesh, experts where their shard lives; zero1 and one
+    process: locally, each rank already steps only its own parameters) or "local" (no splitting: every rank
+    orthogonalises every matrix it steps, all-gathering fsdp shards; for comparison)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 disables)."""
 
@@ -211,9 +221,9 @@ class OptimConfig:
 class TrainConfig:
     """The training run: batch geometry, parallelism, precision, checkpoints, logging."""
 
-    max_steps: int = 300
+    max_steps: int = resumable(300)
     """Optimizer steps; the run ends with a final checkpoint."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = resumable(16)
     """Sequences per rank per forward/backward (stages may override)."""
     seq_len: int = 128
     """Tokens per sequence when no [[stages]] are given."""
@@ -221,34 +231,37 @@ class TrainConfig:
     """Tokens per optimizer step over all ranks; 0 = one micro-batch per rank (no accumulation)."""
     batch_ramp: list[tuple[int, int]] = field(default_factory=list)
     """[[tokens_seen, global_batch_tokens], ...]: the global batch from each point on (realised by accumulation)."""
-    parallel: str = "ddp"
+    parallel: str = resumable("ddp")
     """Data parallelism across ranks: "ddp", "zero1" (DDP with the optimizer state sharded) or "fsdp" (FSDP2)."""
     dtype: str = "bfloat16"
     """Compute dtype under autocast: "bfloat16" or "float32". Master weights and optimizer state stay fp32."""
     seed: int = 0
     """Seed for weight init (data order is data.seed)."""
-    log_every: int = 10
+    log_every: int = resumable(10)
     """Progress line every this many steps (metrics.jsonl gets every step)."""
-    eval_every: int = 100
+    eval_every: int = resumable(100)
     """Validation loss every this many steps (and at the end); 0 = only at the end."""
-    timeout_s: float = 1800.0
+    timeout_s: float = resumable(1800.0)
     """Collective timeout during training (long, so short network stalls don't kill a job)."""
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = resumable(300.0)
     """Collective timeout while the process group starts."""
-    peak_flops: float = 0.0
+    peak_flops: float = resumable(0.0)
     """Peak FLOP/s of one device for MFU; 0 = measure a bf16 matmul at start-up (CPU) or look it up (GPU)."""
-    on_nan: str = "stop"
+    on_nan: str = resumable("stop")
     """Non-finite loss or gradient: "stop" (name the step and the last good checkpoint) or "skip" the batch."""
-    max_skipped_steps: int = 10
+    max_skipped_steps: int = resumable(10)
     """With on_nan = "skip": stop after this many consecutive skipped steps."""
-    sample_prompt: str = "ROMEO:\n"
+    sample_prompt: str = resumable("ROMEO:\n")
     """Prompt of the sample generated at the end of the run ("" to skip)."""
-    sample_tokens: int = 200
+    sample_tokens: int = resumable(200)
     """Tokens of that sample."""
-    tensorboard: bool = False
+    tensorboard: bool = resumable(False)
     """Also write TensorBoard event files to <run_dir>/tensorboard (needs the tensorboard package)."""
-    run_dir: str = "runs/tiny"
-    """Where config.toml, metrics.jsonl, checkpoints/, plots/ and logs go."""
+    run_dir: str = resumable("runs/tiny")
+    """Where config.toml, metrics.jsonl, checkpoints/, plots/ and logs go. Every rank reads and writes it: on
+    several nodes it must be on a filesystem they all mount (checked at start-up)."""
+    device: str = resumable("auto")
+    """Device of each rank: "auto" (its GPU when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N"."""
 
     def __post_init__(self) -> None:
         for key in ("max_steps", "micro_batch_size", "seq_len", "log_every"):
@@ -263,6 +276,8 @@ class TrainConfig:
             raise ConfigError(f'train.parallel = {self.parallel!r}: must be "ddp", "zero1" or "fsdp"')
         if self.on_nan not in ("stop", "skip"):
             raise ConfigError(f'train.on_nan = {self.on_nan!r}: must be "stop" or "skip"')
+        if not isinstance(self.device, str) or not self.device.strip():
+            raise ConfigError(f'train.device = {self.device!r}: must be "auto", "cpu", "cuda" or "cuda:N"')
         points = [t for t, _ in self.batch_ramp]
         if points != sorted(points) or any(b <= 0 for _, b in self.batch_ramp):
             raise ConfigError(f"train.batch_ramp = {self.batch_ramp}: tokens_seen must increase and batches be > 0")
@@ -272,32 +287,32 @@ class TrainConfig:
 class CheckpointConfig:
     """Training checkpoints ([checkpoint]): when, how (sync/async), what is kept, how loads are verified."""
 
-    every: int = 100
+    every: int = resumable(100)
     """Checkpoint every this many steps (and at the end, and on SIGTERM/SIGINT); 0 = only those."""
-    keep: int = 3
+    keep: int = resumable(3)
     """Newest complete checkpoints kept in <run_dir>/checkpoints."""
-    keep_every: int = 0
+    keep_every: int = resumable(0)
     """Also keep, permanently, every checkpoint whose step is a multiple of this; 0 = none."""
-    async_save: bool = True
+    async_save: bool = resumable(True)
     """Periodic saves copy the state to host memory and write it in the background while training goes on (the
     final and on-signal saves always complete before the process exits)."""
-    when_busy: str = "wait"
+    when_busy: str = resumable("wait")
     """A save falls due while the previous one is still writing: "wait" for it, or "skip" the new one."""
-    checksum: str = "crc32"
+    checksum: str = resumable("crc32")
     """Checksum of every file in the COMMIT marker: "crc32" (fast; guards against torn writes and bit rot) or
     "sha256" (cryptographic; about half the speed)."""
-    verify: str = "checksum"
+    verify: str = resumable("checksum")
     """Checks before a checkpoint is loaded: "checksum" (every file's size and checksum) or "size" (sizes only)."""
-    ram_tier: bool = True
+    ram_tier: bool = resumable(True)
     """Keep the newest checkpoint in host shared memory too (each rank its own part), so a restart after a crash
     at the same world size and parallel mode loads from RAM; disk otherwise."""
-    ram_verify: bool = False
+    ram_verify: bool = resumable(False)
     """Recheck every RAM-tier copy's crc32 before a restart uses it (reads it all: about 0.4 s per GiB per core).
     Off by default: the copy lives in memory and is published atomically after its disk checkpoint; a copy that
     cannot be read still falls back to disk."""
-    ram_dir: str = ""
+    ram_dir: str = resumable("")
     """Directory of the RAM tier; "" = /dev/shm/zaya (per node). Must be a RAM-backed filesystem to help."""
-    on_error: str = "continue"
+    on_error: str = resumable("continue")
     """A save that fails (e.g. a full disk): "continue" training (the previous checkpoint stays the newest; a
     warning names the error) or "stop" the run."""
 
@@ -352,14 +367,18 @@ class DataConfig:
     """Seed of the shuffle (a keyed permutation per dataset and epoch)."""
     document_positions: bool = False
     """Give the model position ids that restart at every document start."""
-    prefetch: int = 4
+    prefetch: int = resumable(4)
     """Batches computed ahead by the loader's background thread (0: none)."""
     val_batches: int = 8
     """Validation batches (per rank) at each evaluation."""
     builtin_vocab_size: int = 4096
     """Vocabulary of the BPE trained for a builtin corpus (a multiple of 64)."""
-    cache_dir: str = ""
+    cache_dir: str = resumable("")
     """Where builtin corpora are prepared ("" = $ZAYA_CACHE_DIR, else ~/.cache/zaya)."""
+    node_local: bool = resumable(False)
+    """false: rank 0 resolves (and prepares) every dataset and all ranks read those directories, which on several
+    nodes must be on a shared filesystem; true: the first rank of every node resolves them itself (node-local
+    disks or caches), and all nodes must end up with identical datasets (their manifests are compared)."""
 
     def __post_init__(self) -> None:
         if not self.datasets:
@@ -555,6 +574,25 @@ def to_dict(obj: Any) -> dict[str, Any]:
         return v
 
     return fix(out)
+
+
+def config_differences(old: Config, new: Config) -> list[str]:
+    """Keys (``table.key``) whose values differ between two configs, leaving out the fields declared
+    ``resumable`` (those may change when a run is resumed). Stages compare whole (``stages``)."""
+    out: list[str] = []
+    for table in fields(Config):
+        a, b = getattr(old, table.name), getattr(new, table.name)
+        if not dataclasses.is_dataclass(a):
+            if to_dict(Config(stages=a))["stages"] != to_dict(Config(stages=b))["stages"]:
+                out.append(table.name)
+            continue
+        for f in fields(a):
+            if f.metadata.get("resumable"):
+                continue
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            if (list(x) if isinstance(x, tuple) else x) != (list(y) if isinstance(y, tuple) else y):
+                out.append(f"{table.name}.{f.name}")
+    return out
 
 
 def dump_config(config: Config, path: str | Path) -> Path:

@@ -16,6 +16,7 @@ import torch
 
 from zaya.checkpoint.commit import checksum_problem, is_complete, latest_checkpoint, read_commit, read_meta
 from zaya.checkpoint.errors import CheckpointError
+from zaya.errors import ConfigError
 
 TOKENIZER = "tokenizer.json"
 
@@ -24,7 +25,7 @@ def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
     """(kind, directory): kind is "training" (a DCP step directory), "zaya" or "hf"."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint or run directory")
+        raise ConfigError(f"{path}: no such checkpoint or run directory")
     if (path / "checkpoints").is_dir():
         newest = latest_checkpoint(path / "checkpoints")
         if newest is None:
@@ -49,8 +50,14 @@ def find_tokenizer(kind: str, directory: Path) -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
-def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
-    """(model in eval mode, tokenizer path or None, the resolved directory)."""
+def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """(model in eval mode, tokenizer path or None, the resolved directory): the one loader behind
+    ``zaya.load_pretrained``, ``zaya generate``, ``zaya eval`` and ``zaya export``.
+
+    Tensors keep their stored dtype unless ``dtype`` is given (the router's balancing state stays fp32). A training
+    checkpoint is read into a model allocated without initialisation (built on the meta device), so nothing is
+    computed twice; its checksums are verified first.
+    """
     from zaya.config import model_config_from_dict
     from zaya.model import ZayaForCausalLM
 
@@ -63,16 +70,23 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu"):
         if problem is not None:
             raise CheckpointError(f"{directory}: cannot be loaded: {problem}")
         meta = read_meta(directory)
-        model = ZayaForCausalLM(model_config_from_dict(meta["model_config"], f"{directory}/meta.json"))
+        with torch.device("meta"):
+            model = ZayaForCausalLM(model_config_from_dict(meta["model_config"], f"{directory}/meta.json"))
+        model.to_empty(device="cpu")
         state = {"model": model.state_dict()}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.load(state, checkpoint_id=str(directory), no_dist=True)
         model.load_state_dict(state["model"])
-    else:
-        from zaya.model.io import load_pretrained
+        model.rope.reset_parameters()  # its frequency table is derived, not stored
+        if dtype is not None:
+            from zaya.model.io import build_from_state_dict
 
-        model = load_pretrained(directory)
+            model = build_from_state_dict(model.config, model.state_dict(), str(directory), dtype)
+    else:
+        from zaya.model.io import load_directory
+
+        model = load_directory(directory, dtype)
     return model.to(device).eval(), find_tokenizer(kind, directory), directory
 
 

@@ -1,5 +1,5 @@
-"""The checkpoint package's error type (its own module so every part can raise it without import cycles)."""
+"""The checkpoint package's error type (zaya.errors.CheckpointError, exit code 5), importable from here too."""
 
+from zaya.errors import CheckpointError
 
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, corrupt, or made for another model."""
+__all__ = ["CheckpointError"]

@@ -1,4 +1,4 @@
-"""One consolidated, inference-ready copy of a model: ``zaya export`` (and ``zaya convert``, which uses it too).
+"""One consolidated, inference-ready copy of a model: ``zaya export`` (``zaya convert`` is an alias: ``convert``).
 
 The source is anything ``zaya generate`` accepts (``consolidate.resolve_checkpoint``): a run directory (its newest
 complete checkpoint), one training checkpoint (DCP, whatever world size and parallel mode wrote it: its shards are
@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from zaya.errors import ConfigError
+
 FORMATS = {"hf": "Hugging Face zaya layout", "safetensors": "zaya checkpoint"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,18 +46,16 @@ def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: st
     from zaya.model.io import write_checkpoint
 
     if format not in FORMATS:
-        raise ValueError(f"unknown export format {format!r}; choose " + " or ".join(
+        raise ConfigError(f"unknown export format {format!r}; choose " + " or ".join(
             f"{name!r} ({what})" for name, what in FORMATS.items()))
     if dtype != "keep" and dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose 'keep' or one of {', '.join(map(repr, DTYPES))}")
+        raise ConfigError(f"unknown dtype {dtype!r}; choose 'keep' or one of {', '.join(map(repr, DTYPES))}")
     source, to = Path(checkpoint), Path(to)
     if not source.exists():
-        raise FileNotFoundError(f"{source}: no such checkpoint or run directory")
+        raise ConfigError(f"{source}: no such checkpoint or run directory")
     replace = _check_destination(to, source, overwrite)  # before loading: a refusal should not take minutes
 
-    model, tokenizer, directory = load_for_inference(source)
-    if dtype != "keep":
-        model = _cast(model, DTYPES[dtype])
+    model, tokenizer, directory = load_for_inference(source, dtype=None if dtype == "keep" else DTYPES[dtype])
     with atomic_directory(to, overwrite=replace) as tmp:
         (write_hf if format == "hf" else write_checkpoint)(model, tmp)
         if tokenizer is not None:
@@ -69,11 +69,23 @@ def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: st
     return to
 
 
+CONVERT_LAYOUTS = {"hf": "hf", "zaya": "safetensors"}
+"""``zaya convert --to`` names -> ``export`` formats."""
+
+
+def convert(src: str | Path, dst: str | Path, to: str, dtype: str = "keep", overwrite: bool = False,
+            log: Callable[[str], None] | None = None) -> Path:
+    """``zaya convert``, the older spelling of ``export``: ``to`` is "hf" or "zaya" (zaya's own layout)."""
+    if to not in CONVERT_LAYOUTS:
+        raise ConfigError(f"--to must be 'hf' or 'zaya', got {to!r}")
+    return export(src, dst, format=CONVERT_LAYOUTS[to], dtype=dtype, overwrite=overwrite, log=log)
+
+
 def _check_destination(to: Path, source: Path, overwrite: bool) -> bool:
     """Whether ``to`` exists and is to be replaced; refuses a destination that would destroy the source or files."""
     dst, src = to.resolve(), source.resolve()
     if dst == src or dst in src.parents:
-        raise ValueError(f"{to} {'is' if dst == src else 'contains'} the source checkpoint {source}; export to "
+        raise ConfigError(f"{to} {'is' if dst == src else 'contains'} the source checkpoint {source}; export to "
                          "another directory")
     if not to.exists():
         return False
@@ -83,13 +95,3 @@ def _check_destination(to: Path, source: Path, overwrite: bool) -> bool:
         raise FileExistsError(f"{to} already exists and is not empty; pass --force (overwrite=True) to replace it "
                               "(the old directory is removed only once the new export is complete)")
     return True
-
-
-def _cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A copy of ``model`` in ``dtype`` the way a conversion on load makes it (``io.build_from_state_dict``)."""
-    from zaya.model.io import build_from_state_dict
-
-    cast = build_from_state_dict(model.config, model.state_dict(), "export", dtype)
-    cast.hf_config = getattr(model, "hf_config", None)  # carried so that an imported config.json is written back
-    cast.hf_generation_config = getattr(model, "hf_generation_config", None)
-    return cast.eval()

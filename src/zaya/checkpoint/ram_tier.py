@@ -2,22 +2,29 @@
 
 A crashed training process is usually restarted at once, on the same nodes, at the same world size: reading the
 whole checkpoint back from disk (or a network filesystem) is then the slowest part of the restart. So every save
-also leaves each rank's own state (its parameters, or shards of them, and its optimizer state, exactly as they are
-in memory) in a file on a RAM-backed filesystem of its node (``/dev/shm`` by default)::
+also leaves what each rank wrote (the tensors it owns, exactly as they are in memory: see ``staging``) in a file on
+a RAM-backed filesystem of its node (``/dev/shm`` by default)::
 
     /dev/shm/zaya/<run name>-<hash of the run directory>/
-        rank-00000.pt      torch.save of rank 0's state (DTensors as their local shards)
-        rank-00000.json    {"step", "save_id", "world_size", "parallel", "size", "crc32", "run_dir"}: written
-                           after the .pt
+        rank-00000.pt      torch.save of {"format": 2, "tensors": {DCP key: tensor}, "replicated": [...]}: the
+                           tensors this rank owns (DTensors as their local shards), and the table of replicated
+                           keys ([key, owner, dtype, shape, holders], the same on every rank)
+        rank-00000.json    {"format", "step", "save_id", "world_size", "parallel", "size", "crc32", "run_dir"}:
+                           written after the .pt
+
+Under DDP and ZeRO-1 the replicated model (and DDP's optimizer state) is written once, each key by its owner, so a
+rank's file holds about 1/world of it. A restore (``reassemble``) copies every rank's own file into its live
+tensors, then the owners send the replicated entries to the other holders: one coalesced broadcast per owner and
+dtype (in buckets of at most 256 MiB) on the store's gloo group.
 
 A restart loads from there only if *every* rank has an intact copy (its size, and with ``ram_verify`` its crc32,
-rechecked) of the very save
-that is the newest committed checkpoint on disk (same step and the same random ``save_id`` as its meta.json, so a
-copy left by another run in the same directory never matches), saved at the same world size and parallel mode (so
-each rank's shards are its own again); otherwise it loads from disk, which reshards. A copy is published (renamed into place) only after the disk checkpoint of the same
-step has committed, so the RAM tier is never ahead of the disk. It lives in memory that outlasts the process: a
-finished run removes it, a run started with ``--resume never`` clears it, and ``checkpoint.ram_tier = false`` turns
-it off.
+rechecked) of the very save that is the newest committed checkpoint on disk (same step and the same random
+``save_id`` as its meta.json, so a copy left by another run in the same directory never matches), saved at the same
+world size and parallel mode (so each rank's shards and owned keys are its own again), and if every rank's copy
+covers its live state (checked, and agreed, before any broadcast); otherwise it loads from disk, which reshards. A
+copy is published (renamed into place) only after the disk checkpoint of the same step has committed, so the RAM
+tier is never ahead of the disk. It lives in memory that outlasts the process: a finished run removes it, a run
+started with ``--resume never`` clears it, and ``checkpoint.ram_tier = false`` turns it off.
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ from typing import Any
 import torch
 
 DEFAULT_DIR = "/dev/shm/zaya"
+FORMAT = 2
+"""Of a rank's file (and its info): 2 = owned tensors plus the replicated-key table."""
+BUCKET_BYTES = 256 << 20
 
 
 def ram_tier_directory(run_dir: str | Path, ram_dir: str = "") -> Path:
@@ -64,12 +74,13 @@ class RamTier:
             probe = probe.parent
         return shutil.disk_usage(probe).free > nbytes * 1.1 + (64 << 20)
 
-    def write_pending(self, local_state: dict[str, Any], step: int) -> Path:
-        """Write this rank's state under a temporary name; ``publish`` makes it the tier's copy."""
+    def write_pending(self, tensors: dict[str, torch.Tensor], replicated: list, step: int) -> Path:
+        """Write this rank's owned tensors (local shards) and the replicated-key table under a temporary name;
+        ``publish`` makes it the tier's copy."""
         self.directory.mkdir(parents=True, exist_ok=True)
         pending = self.directory / f".rank-{self.rank:05d}.step-{step:08d}.pending"
         try:
-            torch.save(local_state, pending)
+            torch.save({"format": FORMAT, "tensors": tensors, "replicated": replicated}, pending)
         except BaseException:
             pending.unlink(missing_ok=True)
             raise
@@ -79,8 +90,9 @@ class RamTier:
         """Replace the tier's copy with ``pending`` (the info file goes last: it is what makes the copy valid)."""
         self.info_path.unlink(missing_ok=True)
         os.replace(pending, self.data_path)
-        info = {"step": step, "save_id": save_id, "world_size": self.world_size, "parallel": self.parallel,
-                "size": self.data_path.stat().st_size, "crc32": _crc32(self.data_path), "run_dir": self.run_dir}
+        info = {"format": FORMAT, "step": step, "save_id": save_id, "world_size": self.world_size,
+                "parallel": self.parallel, "size": self.data_path.stat().st_size, "crc32": _crc32(self.data_path),
+                "run_dir": self.run_dir}
         tmp = self.info_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(info) + "\n")
         os.replace(tmp, self.info_path)
@@ -100,9 +112,10 @@ class RamTier:
         per core, which is why it is optional (the copy lives in memory and was published atomically)."""
         try:
             info = json.loads(self.info_path.read_text())
-            return (save_id is not None and info["save_id"] == save_id and info["step"] == step
-                    and info["world_size"] == self.world_size and info["parallel"] == self.parallel
-                    and info["run_dir"] == self.run_dir and self.data_path.stat().st_size == info["size"]
+            return (info.get("format") == FORMAT and save_id is not None and info["save_id"] == save_id
+                    and info["step"] == step and info["world_size"] == self.world_size
+                    and info["parallel"] == self.parallel and info["run_dir"] == self.run_dir
+                    and self.data_path.stat().st_size == info["size"]
                     and (not verify or _crc32(self.data_path) == info["crc32"]))
         except (OSError, ValueError, KeyError, TypeError):
             return False
@@ -123,6 +136,93 @@ class RamTier:
                 empty.rmdir()
             except OSError:
                 break
+
+
+def restore_problem(saved: Any, live: dict[str, torch.Tensor], rank: int) -> str | None:
+    """Why this rank's copy ``saved`` (``RamTier.read``) cannot restore ``live`` (its flat live state, local
+    shards), or None. Checked on every rank, and agreed, before ``reassemble`` starts its broadcasts."""
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        return "not a RAM-tier copy of this format"
+    tensors, table = saved["tensors"], {row[0]: row for row in saved["replicated"]}
+    for key, target in live.items():
+        row = table.get(key)
+        if row is not None:
+            _, owner, dtype, shape, holders = row
+            if rank not in holders:
+                return f"{key} was not held by rank {rank} when saved"
+            if str(target.dtype) != dtype or list(target.shape) != list(shape):
+                return f"{key} is {dtype} {list(shape)} there, {target.dtype} {list(target.shape)} here"
+        elif key not in tensors:
+            return f"no copy of {key}"
+        if key in tensors and (tensors[key].shape != target.shape or tensors[key].dtype != target.dtype):
+            return (f"{key} is {tensors[key].dtype} {list(tensors[key].shape)} there, {target.dtype} "
+                    f"{list(target.shape)} here")
+    missing = [row[0] for row in saved["replicated"] if row[1] == rank and row[0] not in tensors]
+    return f"rank {rank} owns {missing[0]} but its copy lacks it" if missing else None
+
+
+def _buckets(table: list, bucket_bytes: int) -> list[tuple[int, torch.dtype, list]]:
+    """The replicated rows as ``(owner, dtype, rows)`` buckets: per owner and dtype, at most ``bucket_bytes`` each
+    (a larger tensor alone). The same on every rank: the table is."""
+    groups: dict[tuple[int, str], list] = {}
+    for row in sorted(table, key=lambda r: (r[1], r[2], r[0])):
+        groups.setdefault((row[1], row[2]), []).append(row)
+    out = []
+    for (owner, dtype_name), rows in sorted(groups.items()):
+        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+        current, size = [], 0
+        for row in rows:
+            n = _numel(row[3]) * dtype.itemsize
+            if current and size + n > bucket_bytes:
+                out.append((owner, dtype, current))
+                current, size = [], 0
+            current.append(row)
+            size += n
+        if current:
+            out.append((owner, dtype, current))
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def reassemble(saved: dict[str, Any], live: dict[str, torch.Tensor], rank: int, group: Any,
+               bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Restore ``live`` (this rank's flat live state, local shards) from every rank's copy: this rank's own
+    tensors are copied in place, then each owner broadcasts its replicated entries (coalesced per dtype) on
+    ``group`` (a ``HostGroup``) and every other holder copies them in. Collective. Returns the bytes received.
+
+    Copies, never the tensors of the file themselves: a tensor handed over as it is would stay a copy-on-write
+    mapping of the file, so the first optimizer step would fault on every page, and the file's memory could not be
+    freed while the run lasts."""
+    received = 0
+    with torch.no_grad():
+        for key, tensor in saved["tensors"].items():
+            if key in live:
+                live[key].copy_(tensor)
+        for owner, dtype, rows in _buckets(saved["replicated"], bucket_bytes):
+            sizes = [_numel(row[3]) for row in rows]
+            if sum(sizes) == 0:
+                continue  # empty tensors: nothing to send (the same decision on every rank)
+            if owner == rank:
+                parts = [saved["tensors"][row[0]].reshape(-1) for row in rows]
+                flat = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype, device="cpu")
+            group.broadcast(flat.view(torch.uint8), src=owner)  # bytes: gloo need not know the dtype (bool, ...)
+            if owner == rank:
+                continue
+            offset = 0
+            for row, n in zip(rows, sizes):
+                if row[0] in live:
+                    live[row[0]].copy_(flat[offset:offset + n].view(row[3]))
+                    received += n * dtype.itemsize
+                offset += n
+    return received
 
 
 def _crc32(path: Path) -> str:

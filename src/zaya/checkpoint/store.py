@@ -1,28 +1,51 @@
-"""Training checkpoints: parallel, optionally asynchronous, committed atomically, verified on load, reshardable.
+"""Training checkpoints: named stateful parts, saved in parallel (each rank only what it owns), optionally
+asynchronously, committed atomically, verified on load, reshardable.
+
+**Parts.** The store saves a dictionary of named stateful parts, so new state registers itself: a part is any
+object with ``state_dict()`` and ``load_state_dict(state)`` (``zaya.checkpoint.parts`` has the model's and the
+optimizers'; the trainer adds the data loader, its counters and the RNGs). A part's state is a nested dict. Its
+tensor leaves (plain tensors and DTensors) are written through DCP under the part's name, with the keys DCP
+flattens them to (``<part>.<nested keys>``: ``model.<fqn>``, ``optim.state.<fqn>.<key>``); its other leaves (JSON
+values: numbers, strings, bools, None, lists and dicts of them; tuples become lists) go into ``meta.json`` under
+the part's name with the same nesting. Non-tensor values must be the same on every rank: rank 0's are written.
+``load`` loads the tensors in place into the part's current ``state_dict()`` tensors, puts the JSON values back
+beside them and calls ``part.load_state_dict``.
 
 Layout under ``<run_dir>/checkpoints/``::
 
     step-00000100/            a complete checkpoint
-        .metadata, __*_*.distcp   torch.distributed.checkpoint (DCP) files: model and optimizer state; every rank
-                                  writes its own part, nothing is gathered to rank 0
-        meta.json              step, tokens, data-loader state, RNG states, the model config, world size, mode
+        .metadata, __*_*.distcp   torch.distributed.checkpoint (DCP) files: every part's tensors; every rank
+                                  writes the entries it owns, nothing is gathered to rank 0
+        meta.json              the caller's meta (tokens, model config, ...), what the store adds (step, save_id,
+                               world_size, parallel, parts: the part names) and each part's non-tensor state
         COMMIT                 written last: every file's size and checksum (see commit.py)
     .step-00000200.partial/   a save in progress (or one that died): never loaded, removed by the next save
     corrupt-step-00000300/    a checkpoint that failed verification, moved aside (kept for inspection)
 
-**Save** (collective: every rank calls ``save``). The state is written into the ``.partial`` directory by DCP,
-each rank checksumming the files it writes as it writes them (writer.py); rank 0 gathers the checksums, writes
-``meta.json`` and ``COMMIT`` and renames the directory into place. A crash at any point leaves the previous checkpoint as the newest valid one; a
-failed save (a full disk, say) removes its partial directory and, by default, lets training go on.
-**Async**: the state is first copied into host memory (the only time training waits), then a background thread
-does all of the above on its own gloo process group, so its collectives never interleave with training's. At most
-one save is in flight; a save that falls due while one is writing waits for it or is skipped (``when_busy``).
+**Ownership** (staging.py). A plain tensor that several ranks hold (DDP's and ZeRO-1's replicated model, DDP's
+optimizer state) is written by one of them, chosen by a deterministic size-balanced assignment; keys one rank holds
+(ZeRO-1's optimizer state) and DTensor shards (FSDP2) stay with their rank. The assignment is computed once per
+store (one all-gather of every rank's keys and sizes) and recomputed only when some rank's key set changes. Each
+rank stages, DCP-saves and RAM-copies only what it owns: under DDP at world N, 1/N of the state.
+
+**Save** (collective: every rank calls ``save``). The owned state is written into the ``.partial`` directory by
+DCP, each rank checksumming the files it writes as it writes them (writer.py); rank 0 gathers the checksums, writes
+``meta.json`` and ``COMMIT`` and renames the directory into place. A crash at any point leaves the previous
+checkpoint as the newest valid one; a failed save (a full disk, say) removes its partial directory and, by default,
+lets training go on. **Async**: the owned state is first copied into host memory (the only time training waits;
+exactly-sized page-locked buffers on CUDA, reused across saves), then a background thread does all of the above on
+a gloo group of its own, so its collectives never interleave with training's. At most one save is in flight; a
+save that falls due while one is writing waits for it or is skipped (``when_busy``).
 
 **Load**: ``select`` finds the newest checkpoint that passes verification (sizes, and checksums spread over
 the ranks); one that fails is reported, moved aside, and the previous one is tried: never a crash loop, never a silent
 load of a bad file. If every rank holds a RAM-tier copy of that step (ram_tier.py), ``load`` reads it from host
-memory instead of disk. Keys are fully qualified parameter names (``torch.distributed.checkpoint.state_dict``),
-so a disk checkpoint loads under another world size or another of DDP / ZeRO-1 / FSDP2.
+memory instead of disk: each rank its own copy, the owners then broadcasting the replicated entries to the other
+ranks. Keys are fully qualified parameter names, so a disk checkpoint loads under another world size or another of
+DDP / ZeRO-1 / FSDP2.
+
+Every collective goes through ``HostGroup`` (``Runtime.host_group``): two gloo groups of the store's own, one for
+the background save, one for the main thread's decisions and loads.
 """
 
 from __future__ import annotations
@@ -38,31 +61,39 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from zaya.checkpoint.commit import (COMMIT, META, STEP_DIR, FileRecord, checksum_file, checksum_problem,
                                     is_complete, latest_checkpoint, list_checkpoints, new_checksum, read_commit,
-                                    read_meta,
-                                    share_of_files, size_problem, step_dir_name, write_commit)
+                                    read_meta, share_of_files, size_problem, step_dir_name, write_commit)
 from zaya.checkpoint.errors import CheckpointError
-from zaya.checkpoint.ram_tier import RamTier, ram_tier_directory
-from zaya.checkpoint.staging import copy_into_live, local_view, stage, tensor_bytes
+from zaya.checkpoint.parts import ABSENT, merge_state, split_state
+from zaya.checkpoint.ram_tier import RamTier, ram_tier_directory, reassemble, restore_problem
+from zaya.checkpoint.staging import (HostBuffers, Ownership, assign_owners, local_view, ownership_rows, stage,
+                                     tensor_bytes)
 from zaya.checkpoint.writer import ChecksummingWriter
 from zaya.config import CheckpointConfig
+from zaya.dist.runtime import Runtime
 from zaya.fsutil import atomic_write_bytes, replace_directory, restore_aside
 
-__all__ = ["COMMIT", "META", "CheckpointError", "CheckpointStore", "SaveOutcome", "check_model_config",
-           "is_complete", "latest_checkpoint", "list_checkpoints", "read_meta", "step_dir_name"]
+__all__ = ["COMMIT", "META", "RESERVED_META_KEYS", "CheckpointError", "CheckpointStore", "SaveOutcome", "Stateful",
+           "check_model_config", "is_complete", "latest_checkpoint", "list_checkpoints", "read_meta",
+           "step_dir_name"]
 
 _RANK_FILE = re.compile(r"^__(\d+)_")
+RESERVED_META_KEYS = ("step", "save_id", "world_size", "parallel", "parts", "loaded_from")
+"""Keys of meta.json that the store itself writes (``loaded_from`` is added by ``load``): no part may be named so."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -74,6 +105,9 @@ class SaveOutcome:
     seconds: float = 0.0
     blocked_seconds: float = 0.0
     nbytes: int = 0
+    """Bytes of tensors in the checkpoint, all ranks together (each written once)."""
+    rank_bytes: int = 0
+    """Bytes of tensors this rank wrote (and, for an async save, staged)."""
     asynchronous: bool = False
     notes: tuple[str, ...] = ()
     """Warnings from the save (e.g. about the RAM tier), logged by the main thread when the outcome is collected."""
@@ -120,27 +154,27 @@ warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?una
 class CheckpointStore:
     """Saves and loads a run's checkpoints (see the module docstring). Every method is collective."""
 
-    def __init__(self, directory: str | Path, config: CheckpointConfig | None = None, *, rank: int = 0,
-                 world_size: int = 1, distributed: bool = False, parallel: str = "ddp",
-                 run_dir: str | Path | None = None, log: Callable[[str], None] = print,
-                 timeout_s: float = 1800.0):
+    def __init__(self, directory: str | Path, config: CheckpointConfig, runtime: Runtime, *, parallel: str = "ddp",
+                 run_dir: str | Path | None = None, log: Callable[[str], None] = print):
         self.directory = Path(directory)
-        self.config = config or CheckpointConfig()
-        self.rank, self.world_size, self.distributed = rank, world_size, distributed
+        self.config = config if config is not None else CheckpointConfig()
+        self.runtime = runtime
+        self.rank, self.world_size, self.distributed = runtime.rank, runtime.world_size, runtime.distributed
         self.parallel = parallel
         self.log = log
         # Two gloo groups of their own: one for the background save's collectives, one for the main thread's
-        # decisions while a save may be in flight. Neither interleaves with training's collectives.
-        timeout = timedelta(seconds=timeout_s)
-        self._job_pg = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
-        self._ctl_pg = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
+        # decisions while a save may be in flight (and for loads). Neither interleaves with training's.
+        self._job = runtime.host_group()
+        self._ctl = runtime.host_group()
         run_dir = Path(run_dir) if run_dir is not None else self.directory.parent
         # The tier's files exist (to clear) even with ram_tier off: a copy an earlier run left must not linger.
-        self._ram_files = RamTier(ram_tier_directory(run_dir, self.config.ram_dir), run_dir, rank, world_size,
-                                  parallel)
+        self._ram_files = RamTier(ram_tier_directory(run_dir, self.config.ram_dir), run_dir, self.rank,
+                                  self.world_size, parallel)
         self.ram = self._ram_files if self.config.ram_tier else None
         self._ram_room_warned = False
-        self._staged: dict[str, Any] | None = None
+        self._pin_warned = False
+        self._buffers = HostBuffers()
+        self._ownership: Ownership | None = None
         self._thread: threading.Thread | None = None
         self._pending_step = -1  # the step of the save in flight
         self._result: SaveOutcome | None = None
@@ -148,74 +182,100 @@ class CheckpointStore:
         self.last_outcome: SaveOutcome | None = None
         self.fatal: SaveOutcome | None = None  # a failed save with on_error = "stop"
 
-    # ------------------------------------------------------------------------------------------- collectives
-    def _any(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is true on any (main thread only)."""
-        if not self.distributed:
-            return flag
-        t = torch.tensor([int(flag)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._ctl_pg)
-        return bool(t.item())
+    # ------------------------------------------------------------------------------------------------- parts
+    @staticmethod
+    def _check_names(parts: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> None:
+        for name, part in parts.items():
+            if not isinstance(name, str) or not name or "." in name:
+                raise ValueError(f"checkpoint part name {name!r}: must be a non-empty string without '.' (DCP keys "
+                                 "are <part>.<nested keys>)")
+            if name in RESERVED_META_KEYS:
+                raise ValueError(f"checkpoint part name {name!r} is taken: meta.json's {', '.join(RESERVED_META_KEYS)} "
+                                 "are the store's own keys; name the part otherwise")
+            if meta is not None and name in meta:
+                raise ValueError(f"checkpoint part name {name!r} is also a key of the meta passed to save(): both "
+                                 f"would be meta.json's {name!r}; rename one")
+            if not (callable(getattr(part, "state_dict", None)) and callable(getattr(part, "load_state_dict", None))):
+                raise TypeError(f"checkpoint part {name!r} ({type(part).__name__}) has no state_dict() and "
+                                "load_state_dict(state)")
 
-    def _gather(self, obj: Any, group) -> list[Any]:
+    def _ownership_of(self, flat: Mapping[str, torch.Tensor]) -> Ownership:
+        """Who writes which entry (staging.py), computed once and again only when some rank's keys change."""
+        rows = ownership_rows(flat)
+        mine = self._ownership
         if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=group)
-        return out
-
-    def _broadcast(self, obj: Any, group) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-
-    def _barrier(self, group) -> None:
-        if self.distributed:
-            dist.barrier(group=group)
+            if mine is None or mine.rows != rows:
+                self._ownership = assign_owners([rows], 0)
+            return self._ownership
+        if self._ctl.any(mine is None or mine.rows != rows):
+            self._ownership = assign_owners(self._ctl.all_gather_object(rows), self.rank)
+        return self._ownership
 
     # -------------------------------------------------------------------------------------------------- save
-    def save(self, step: int, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-             meta: dict[str, Any], blocking: bool | None = None, ram_copy: bool = True) -> SaveOutcome | None:
-        """Checkpoint ``step``. Blocking (``blocking=True``, or ``async_save = false``): returns the outcome once
-        committed (or failed). Otherwise returns None once the state is staged; the write goes on in the
-        background and ``wait`` (or the next save) collects its outcome. Returns None too when the save is
-        skipped because the previous one is still writing (``when_busy = "skip"``). ``ram_copy=False`` leaves the
-        RAM tier out of this save (a run's final checkpoint: nothing will restart from it in a hurry)."""
+    def save(self, step: int, parts: Mapping[str, Stateful], meta: dict[str, Any], blocking: bool | None = None,
+             ram_copy: bool = True) -> SaveOutcome | None:
+        """Checkpoint the state of ``parts`` at ``step``, with ``meta`` (JSON) in meta.json. Blocking
+        (``blocking=True``, or ``async_save = false``): returns the outcome once committed (or failed). Otherwise
+        returns None once the state is staged; the write goes on in the background and ``wait`` (or the next save)
+        collects its outcome. Returns None too when the save is skipped because the previous one is still writing
+        (``when_busy = "skip"``). ``ram_copy=False`` leaves the RAM tier out of this save (a run's final
+        checkpoint: nothing will restart from it in a hurry). A part whose non-tensor state is not JSON fails the
+        save at once: its failed outcome is returned (and settled: with ``on_error = "stop"`` it raises), blocking
+        or not. Non-tensor state must be the same on every rank: rank 0's is written. A part name that is one of
+        ``RESERVED_META_KEYS``, a key of ``meta``, or has a '.' is a ValueError."""
         blocking = (not self.config.async_save) if blocking is None else blocking
-        meta = copy.deepcopy(meta)  # the caller's loader/RNG state as of now, whatever happens to it meanwhile
-        meta["step"] = step
+        self._check_names(parts, meta)
+        doc = copy.deepcopy(meta)  # the caller's meta as of now, whatever happens to it meanwhile
         t0 = time.perf_counter()
         # Every rank takes part, whether or not it still holds a thread: one rank may already have collected its
         # finished save (poll_failed) while another's is still writing.
-        busy = self._any(self._thread is not None and self._thread.is_alive())
+        busy = self._ctl.any(self._thread is not None and self._thread.is_alive())
         if busy and self.config.when_busy == "skip" and not blocking:
             self.log(f"checkpoint at step {step} skipped: the previous save is still writing "
                      '(checkpoint.when_busy = "skip")')
             return None
         if self._thread is not None:
             self.wait()
-        model_sd, optim_sd = get_state_dict(model, optimizers, options=StateDictOptions())
-        state = {"model": model_sd, "optim": optim_sd}
-        nbytes = tensor_bytes(state)
+        flat: dict[str, torch.Tensor] = {}
+        error = None
+        try:
+            for name, part in parts.items():
+                _, rest, tensors = split_state(name, part.state_dict())  # rest: a copy, as of now
+                flat.update(tensors)
+                if not (rest == {} and tensors):
+                    doc[name] = rest
+        except TypeError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if self._ctl.any(error is not None):  # every rank stops here, before any collective of the save
+            outcome = SaveOutcome(step, False, error=error or "a part's state could not be collected on another rank")
+            self._settle(outcome)
+            return outcome
+        doc.update(step=step, world_size=self.world_size, parallel=self.parallel, parts=list(parts))
+        ownership = self._ownership_of(flat)
+        owned = ownership.owned(flat)
+        nbytes, rank_bytes = ownership.total_bytes, ownership.rank_bytes[self.rank]
+        replicated = ownership.replicated
         if blocking:
-            outcome = self._write(step, state, meta, ram_copy)
-            outcome.nbytes, outcome.seconds = nbytes, time.perf_counter() - t0
+            outcome = self._write(step, owned, replicated, doc, ram_copy)
+            outcome.nbytes, outcome.rank_bytes, outcome.seconds = nbytes, rank_bytes, time.perf_counter() - t0
             outcome.blocked_seconds = outcome.seconds
             self._settle(outcome)
             return outcome
-        self._staged = stage(state, self._staged)
-        staged, blocked = self._staged, time.perf_counter() - t0
+        staged = stage(owned, self._buffers)
+        if self._buffers.pin_failed and not self._pin_warned:
+            self._pin_warned = True
+            self.log(f"warning: checkpoint staging uses pageable host memory ({self._buffers.pin_failed}); async "
+                     "saves block training longer")
+        blocked = time.perf_counter() - t0
         self._pending_step = step
 
         def run() -> None:
             try:
-                outcome = self._write(step, staged, meta, ram_copy)
+                outcome = self._write(step, staged, replicated, doc, ram_copy)
             except BaseException as exc:  # noqa: BLE001 - reported through the outcome, never lost in a thread
                 outcome = SaveOutcome(step, False, error=_describe(exc))
-            outcome.nbytes, outcome.blocked_seconds, outcome.asynchronous = nbytes, blocked, True
-            outcome.seconds = time.perf_counter() - t0
+            outcome.nbytes, outcome.rank_bytes, outcome.asynchronous = nbytes, rank_bytes, True
+            outcome.blocked_seconds, outcome.seconds = blocked, time.perf_counter() - t0
             self._result = outcome
 
         # Not a daemon: an interpreter that exits (even without close()) first lets the save finish, instead of
@@ -266,11 +326,13 @@ class CheckpointStore:
             raise CheckpointError(message + ' (checkpoint.on_error = "stop")')
         self.log(f"warning: {message}; training goes on (set checkpoint.on_error = \"stop\" to stop instead)")
 
-    def _write(self, step: int, state: dict[str, Any], meta: dict[str, Any], ram_copy: bool) -> SaveOutcome:
-        """Write, checksum, commit: the collective body of a save (on the job process group)."""
+    def _write(self, step: int, tensors: dict[str, torch.Tensor], replicated: list, doc: dict[str, Any],
+               ram_copy: bool) -> SaveOutcome:
+        """Write, checksum, commit: the collective body of a save (on the job group). ``tensors``: the entries
+        this rank owns."""
         final = self.directory / step_dir_name(step)
         partial = self.directory / f".{final.name}.partial"
-        group = self._job_pg
+        group = self._job
         error, save_id = None, None
         if self.rank == 0:
             try:
@@ -280,17 +342,17 @@ class CheckpointStore:
                 save_id = uuid.uuid4().hex
             except OSError as exc:
                 error = _describe(exc)
-        error, save_id = self._broadcast((error, save_id), group)
+        error, save_id = group.broadcast_object((error, save_id))
         if error:
             return SaveOutcome(step, False, error=error)
-        meta["save_id"] = save_id  # also in the RAM tier's info: ties a RAM copy to this very save
+        doc["save_id"] = save_id  # also in the RAM tier's info: ties a RAM copy to this very save
 
         local_error, records, pending = None, {}, None
         try:
             writer = ChecksummingWriter(partial, self.config.checksum)
-            dcp.save(state, storage_writer=writer, process_group=group, no_dist=not self.distributed)
+            dcp.save(tensors, storage_writer=writer, process_group=group.pg, no_dist=not self.distributed)
         except (Exception, CheckpointException) as exc:  # DCP raises on every rank when any rank's write fails
-            local_error = _describe(exc, self.directory, tensor_bytes(state))
+            local_error = _describe(exc, self.directory, tensor_bytes(tensors))
         if local_error is None:
             try:
                 records = self._checksum_own_files(partial, writer.checksums(partial))
@@ -300,8 +362,8 @@ class CheckpointStore:
         if self.ram is not None and ram_copy:
             self.ram.invalidate()  # whatever happens next, the copy there now is older than the disk's newest
             if local_error is None:
-                pending = self._write_ram(state, step, notes)
-        gathered = self._gather((local_error, records), group)
+                pending = self._write_ram(tensors, replicated, step, notes)
+        gathered = group.all_gather_object((local_error, records))
 
         outcome = SaveOutcome(step, False)
         if self.rank == 0:
@@ -310,13 +372,13 @@ class CheckpointStore:
                 outcome.error = errors[0]
             else:
                 try:
-                    outcome = self._commit(step, partial, final, meta, {k: v for _, r in gathered
-                                                                        for k, v in r.items()})
+                    outcome = self._commit(step, partial, final, doc, {k: v for _, r in gathered
+                                                                       for k, v in r.items()})
                 except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks as an outcome
                     outcome.error = _describe(exc)
             if not outcome.ok:
                 shutil.rmtree(partial, ignore_errors=True)
-        outcome = self._broadcast(outcome, group)
+        outcome = group.broadcast_object(outcome)
         if self.ram is not None and ram_copy:
             if outcome.ok and pending is not None:
                 try:
@@ -343,8 +405,9 @@ class CheckpointStore:
                     f.stat().st_size, self.config.checksum, checksum_file(f, self.config.checksum))
         return records
 
-    def _write_ram(self, state: dict[str, Any], step: int, notes: list[str]) -> Path | None:
-        local = local_view(state)
+    def _write_ram(self, tensors: dict[str, torch.Tensor], replicated: list, step: int,
+                   notes: list[str]) -> Path | None:
+        local = local_view(tensors)
         nbytes = tensor_bytes(local)
         try:
             if not self.ram.room_for(nbytes):
@@ -353,14 +416,14 @@ class CheckpointStore:
                                  "copy; restarts will load from disk (set checkpoint.ram_dir, or ram_tier = false)")
                     self._ram_room_warned = True
                 return None
-            return self.ram.write_pending(local, step)
+            return self.ram.write_pending(local, replicated, step)
         except Exception as exc:  # noqa: BLE001 - the RAM tier is an optimisation: never fail a save
             notes.append(f"RAM tier copy of step {step} failed ({_describe(exc)}); restarts load from disk")
             return None
 
-    def _commit(self, step: int, partial: Path, final: Path, meta: dict[str, Any],
+    def _commit(self, step: int, partial: Path, final: Path, doc: dict[str, Any],
                 records: dict[str, FileRecord]) -> SaveOutcome:
-        body = (json.dumps(meta, indent=1) + "\n").encode()
+        body = (json.dumps(doc, indent=1) + "\n").encode()
         atomic_write_bytes(partial / META, body)
         digest = new_checksum(self.config.checksum)
         digest.update(body)
@@ -381,8 +444,10 @@ class CheckpointStore:
             shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
-        """Finish the save in flight (a process that exits normally never abandons one)."""
+        """Finish the save in flight (a process that exits normally never abandons one) and release the staging
+        buffers (page-locked memory is unregistered before it is unmapped)."""
         self.wait_quietly()
+        self._buffers.release()
 
     def forget_ram_tier(self) -> None:
         """Drop this rank's RAM-tier copy (a finished run, or a run started afresh), even with the tier off."""
@@ -404,7 +469,7 @@ class CheckpointStore:
         problem = size_problem(path, records)
         if problem is None and self.config.verify == "checksum":
             problem = checksum_problem(path, share_of_files(records, self.rank, self.world_size), records)
-        problems = [p for p in self._gather(problem, self._ctl_pg) if p]
+        problems = [p for p in self._ctl.all_gather_object(problem) if p]
         return problems[0] if problems else None
 
     def _move_aside(self, path: Path, why: str = "corrupt") -> Path:
@@ -423,7 +488,7 @@ class CheckpointStore:
         self._ram_step = None
         if self.rank == 0:
             self._recover_leftovers()
-        self._barrier(self._ctl_pg)
+        self._ctl.barrier()
         if resume == "never":
             self.forget_ram_tier()
             return None
@@ -442,12 +507,12 @@ class CheckpointStore:
             self._abandon_newer_than(path)
             return path
 
-        candidates = self._broadcast([str(p) for p in list_checkpoints(self.directory)], self._ctl_pg)
+        candidates = self._ctl.broadcast_object([str(p) for p in list_checkpoints(self.directory)])
         for name in reversed(candidates):
             path = Path(name)
             step = int(STEP_DIR.match(path.name).group(1))
-            if self.ram is not None and not self._any(not self.ram.holds(step, _save_id(path),
-                                                                         self.config.ram_verify)):
+            if self.ram is not None and not self._ctl.any(not self.ram.holds(step, _save_id(path),
+                                                                             self.config.ram_verify)):
                 self._ram_step = step
                 return path
             problem = self._verify(path)
@@ -457,7 +522,7 @@ class CheckpointStore:
                 aside = self._move_aside(path, "corrupt")
                 self.log(f"warning: checkpoint {path} failed verification ({problem}); moved to {aside}, trying "
                          "the previous one")
-            self._barrier(self._ctl_pg)
+            self._ctl.barrier()
         self.forget_ram_tier()  # nothing to resume: a copy there belongs to something else
         return None
 
@@ -474,58 +539,70 @@ class CheckpointStore:
                 aside = self._move_aside(p, "abandoned")
                 self.log(f"resuming from {path}: the newer checkpoint {p.name} is moved to {aside.name} (kept, "
                          "never loaded)")
-        self._barrier(self._ctl_pg)
+        self._ctl.barrier()
 
-    def load(self, path: Path, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer] | None) -> dict:
-        """Load model (and optimizer) state from ``path`` (or from the RAM tier, when ``select`` found every rank
-        holding that step) into the live objects; returns the checkpoint's meta. Collective."""
+    def load(self, path: Path, parts: Mapping[str, Stateful]) -> dict:
+        """Load the state of ``parts`` from ``path`` (or from the RAM tier, when ``select`` found every rank
+        holding that step): tensors in place into each part's current ``state_dict()`` tensors, then
+        ``part.load_state_dict`` with them and the part's non-tensor state from meta.json. Returns the checkpoint's
+        meta (meta.json), with ``meta["loaded_from"]`` = "ram" or "disk". A part the checkpoint has no state for is
+        a CheckpointError naming both. Collective."""
+        path = Path(path)
+        self._check_names(parts)
         meta = read_meta(path)
-        # Hyperparameters come from the config, not the file: a DCP round trip keeps only the state tensors
-        # reliably (e.g. a torch.dtype group option does not survive), and the config may legitimately change.
-        hyper = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-                 for opt in optimizers or []]
-        model_sd, optim_sd = get_state_dict(model, optimizers or [], options=StateDictOptions())
+        saved_parts = meta.get("parts")
+        for name in parts:
+            if not isinstance(saved_parts, list) or name not in saved_parts:
+                listed = ", ".join(map(str, saved_parts)) if isinstance(saved_parts, list) else "none listed"
+                raise CheckpointError(f"{path}: has no state for the checkpoint part {name!r} (its parts: {listed}); "
+                                      "made by another version or for another setup")
+        trees: dict[str, Any] = {}
+        flat: dict[str, torch.Tensor] = {}
+        for name, part in parts.items():
+            trees[name], _, tensors = split_state(name, part.state_dict(), check_json=False)
+            flat.update(tensors)
         from_ram = self._ram_step is not None and self._ram_step == meta["step"] and self.ram is not None
-        state = None
         if from_ram:
-            # Read every rank's copy first and agree: a copy that cannot be read (it was checked by size and
-            # save_id, and by crc32 with ram_verify) sends every rank to the disk, never into a crash loop.
+            from_ram = self._load_ram(path, flat)
+        if not from_ram:
+            check_tensor_shapes(path, flat)
             try:
-                saved, error = self.ram.read(), None
-            except Exception as exc:  # noqa: BLE001 - any unreadable copy means disk
-                saved, error = None, exc
-            if self._any(error is not None):
-                from_ram = False
-                if error is not None:
-                    self.log(f"warning: RAM tier copy {self.ram.data_path} cannot be read ({_describe(error)}); "
-                             "loading from disk")
-                self.forget_ram_tier()
-                problem = self._verify(path)  # select skipped it because the RAM copy was to be used
-                if problem is not None:
-                    raise CheckpointError(f"{path}: cannot be loaded: {problem}")
-            else:
-                with torch.no_grad():
-                    state = {"model": copy_into_live(saved["model"], model_sd)}
-                    if optimizers:
-                        state["optim"] = copy_into_live(saved["optim"], optim_sd)
-                del saved  # drop the file mapping
-        if state is None:
-            check_tensor_shapes(path, model_sd)
-            state = {"model": model_sd}
-            if optimizers:
-                state["optim"] = optim_sd
-            dcp.load(state, checkpoint_id=str(path), process_group=self._ctl_pg, no_dist=not self.distributed)
-        if optimizers:
-            set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            for opt, groups in zip(optimizers, hyper):
-                for group, saved_group in zip(opt.param_groups, groups):
-                    group.update(saved_group)
-        else:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-            set_model_state_dict(model, state["model"])
+                dcp.load(flat, checkpoint_id=str(path), process_group=self._ctl.pg, no_dist=not self.distributed)
+            except (Exception, CheckpointException) as exc:
+                raise CheckpointError(f"{path}: cannot be loaded: {_describe(exc)}") from exc
+        with torch.no_grad():
+            for name, part in parts.items():
+                part.load_state_dict(merge_state(meta.get(name, ABSENT), trees[name]))
         meta["loaded_from"] = "ram" if from_ram else "disk"
         return meta
+
+    def _load_ram(self, path: Path, flat: dict[str, torch.Tensor]) -> bool:
+        """Restore ``flat`` from the RAM tier (every rank its own copy, owners broadcasting the replicated
+        entries); False, on every rank, when some rank's copy cannot be read or does not fit its live state."""
+        live = local_view(flat)
+        # Read every rank's copy first and agree: a copy that cannot be read (it was checked by size and save_id,
+        # and by crc32 with ram_verify) sends every rank to the disk, never into a crash loop.
+        try:
+            saved, error = self.ram.read(), None
+            problem = restore_problem(saved, live, self.rank)
+        except Exception as exc:  # noqa: BLE001 - any unreadable copy means disk
+            saved, error, problem = None, exc, None
+        if self._ctl.any(error is not None or problem is not None):
+            if error is not None:
+                self.log(f"warning: RAM tier copy {self.ram.data_path} cannot be read ({_describe(error)}); "
+                         "loading from disk")
+            elif problem is not None:
+                self.log(f"warning: RAM tier copy {self.ram.data_path} does not match this run's state ({problem}); "
+                         "loading from disk")
+            del saved
+            self.forget_ram_tier()
+            problem = self._verify(path)  # select skipped it because the RAM copy was to be used
+            if problem is not None:
+                raise CheckpointError(f"{path}: cannot be loaded: {problem}")
+            return False
+        reassemble(saved, live, self.rank, self._ctl)
+        del saved  # drop the file mapping
+        return True
 
 
 def _save_id(path: Path) -> str | None:
@@ -535,20 +612,22 @@ def _save_id(path: Path) -> str | None:
         return None
 
 
-def check_tensor_shapes(path: Path, model_sd: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose model tensors differ from the live model's, naming the first one."""
+def check_tensor_shapes(path: Path, flat: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint that lacks one of the live tensors, or holds it with another shape, naming it."""
     try:
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - an unreadable .metadata is a corrupt checkpoint
         raise CheckpointError(f"{path}/.metadata cannot be read ({exc})") from None
-    for name, tensor in model_sd.items():
-        entry = saved.get(f"model.{name}")
+    for key, tensor in flat.items():
+        part = key.split(".", 1)[0]
+        what = "a different model" if part == "model" else f"a different setup (checkpoint part {part!r})"
+        entry = saved.get(key)
         if entry is None:
-            raise CheckpointError(f"{path}: has no tensor model.{name}: made for a different model")
+            raise CheckpointError(f"{path}: has no tensor {key}: made for {what}")
         shape = tuple(getattr(entry, "size", ()))
         if shape != tuple(tensor.shape):
-            raise CheckpointError(f"{path}: tensor model.{name} has shape {list(shape)} there, "
-                                  f"{list(tensor.shape)} in this model: made for a different model")
+            raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)} there, {list(tensor.shape)} in "
+                                  f"this run: made for {what}")
 
 
 def check_model_config(meta: dict[str, Any], model_config: dict[str, Any], path: Path) -> None:

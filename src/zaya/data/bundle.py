@@ -31,6 +31,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from zaya.errors import DataError
+
 MAGIC = b"ZAYABNDL"
 BUNDLE_VERSION = 1
 HEADER = struct.Struct("<8sIIQQQQ16x")
@@ -43,7 +45,7 @@ BUNDLE_SUFFIX = ".zb"
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
-class DatasetError(ValueError):
+class DatasetError(DataError):
     """A prepared dataset that is missing, incomplete, corrupt or of an unknown format."""
 
 
@@ -213,6 +215,14 @@ class PreparedDataset:
         self.vocab_size: int = tok["vocab_size"]
         self.eos_id: int = tok["eos_id"]
         self.dtype = np.dtype(self.manifest["dtype"])
+
+    def fingerprint(self) -> str:
+        """A digest of what the dataset holds (dtype, tokenizer and every bundle's sha256, by split), not of where
+        or when it was prepared: two nodes that prepared the same data independently get the same one."""
+        content = {"dtype": self.manifest["dtype"], "tokenizer": self.manifest["tokenizer"].get("file_sha256"),
+                   "splits": {name: [b["sha256"] for b in split["bundles"]]
+                              for name, split in sorted(self.manifest["splits"].items())}}
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
     def split(self, name: str) -> Split:
         if name not in self.splits:

@@ -167,6 +167,10 @@ class Batch:
     stage: str
     global_tokens: int                       # tokens in this micro-batch summed over all ranks
     sources: dict[str, int] = field(default_factory=dict)   # sequences per dataset in this rank's rows
+    num_targets: int = 0
+    """Labels of this rank's rows that count towards the loss (packed sequences: every one of them)."""
+    global_targets: int = 0
+    """The same summed over all ranks: what the step's loss is averaged over (no collective needed to know it)."""
 
 
 def _assign(slots: np.ndarray, weights: Mapping[str, float], names: list[str]) -> np.ndarray:
@@ -192,7 +196,7 @@ class DataLoader:
 
     def __init__(self, datasets: Mapping[str, PreparedDataset | str | Path], stages: list[Stage],
                  rank: int = 0, world_size: int = 1, seed: int = 0, split: str = "train",
-                 document_positions: bool = False, prefetch: int = 4):
+                 document_positions: bool = False, prefetch: int = 4, pin_memory: bool = False):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if not stages:
@@ -214,6 +218,7 @@ class DataLoader:
         self.eos_id = eos.pop()
         self.stages, self.rank, self.world_size, self.seed = list(stages), rank, world_size, seed
         self.split, self.document_positions, self.prefetch = split, document_positions, prefetch
+        self.pin_memory = pin_memory  # batches in page-locked memory, for asynchronous copies to a GPU
         self.names = sorted(self.datasets)
         self._sources: dict[tuple[str, int], SequenceSource] = {}
         self._perms: dict[tuple, Permutation] = {}
@@ -284,8 +289,6 @@ class DataLoader:
 
     def compute(self, state: Mapping[str, Any]) -> tuple[Batch, dict[str, Any]] | None:
         """The micro-batch at ``state`` and the state after it (a pure function); None when the schedule ends."""
-        import torch
-
         state = {**state, "counts": dict(state["counts"])}
         stage = self._advance_stage(state)
         if stage is None:
@@ -325,11 +328,19 @@ class DataLoader:
         state["tokens"] += global_tokens
         state["stage_tokens"] += global_tokens
         state["batches"] += 1
-        data = torch.from_numpy(rows)
-        batch = Batch(input_ids=data[:, :-1].contiguous(), labels=data[:, 1:].contiguous(),
-                      position_ids=torch.from_numpy(positions) if positions is not None else None,
-                      stage=stage.name, global_tokens=global_tokens, sources=sources)
+        batch = Batch(input_ids=self._tensor(rows[:, :-1]), labels=self._tensor(rows[:, 1:]),
+                      position_ids=self._tensor(positions) if positions is not None else None,
+                      stage=stage.name, global_tokens=global_tokens, sources=sources, num_targets=b * L,
+                      global_targets=global_tokens)
         return batch, state
+
+    def _tensor(self, array: np.ndarray):
+        """A contiguous int64 tensor of ``array`` (pinned with ``pin_memory``), filled in this thread."""
+        import torch
+
+        out = torch.empty(array.shape, dtype=torch.int64, device="cpu", pin_memory=self.pin_memory)
+        out.numpy()[...] = array
+        return out
 
     # --- iteration with prefetch ------------------------------------------------------------------------------
     def _producer(self, state: dict[str, Any], out: queue.Queue, stop: threading.Event) -> None:

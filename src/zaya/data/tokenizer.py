@@ -23,6 +23,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from zaya.errors import ConfigError
+
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
 VOCAB_MULTIPLE = 64
@@ -35,7 +37,7 @@ _CANDIDATES = {
 }
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ConfigError):
     """A tokenizer file that cannot be used, or a request it cannot serve."""
 
 

@@ -1,27 +1,34 @@
 """Data parallelism: DDP, DDP with a ZeRO-1 sharded optimizer, and FSDP2, behind one small interface.
 
-* ``ddp``: gradients all-reduced by DistributedDataParallel; every rank runs the whole optimizer, except Muon's
-  Newton-Schulz: each matrix is orthogonalised by one rank and the results are broadcast (``optim.muon_distributed``).
+All three run over the runtime mesh's "dp" dimension.
+
+* ``ddp``: gradients all-reduced by DistributedDataParallel (written straight into its buckets:
+  ``gradient_as_bucket_view``, no second copy); every rank runs the whole optimizer, except Muon's Newton-Schulz:
+  each matrix is orthogonalised by one rank and the results are broadcast (``optim.muon_distributed``).
 * ``zero1``: gradients as DDP, but each rank owns a disjoint, size-balanced subset of the parameters, keeps
   optimizer state only for those and updates only those; owners then broadcast their updated parameters. Optimizer
-  memory (and Muon's Newton-Schulz work) falls as 1/world. This is what ZAYA1 trained with.
+  memory (and Muon's Newton-Schulz work) falls as 1/dp. This is what ZAYA1 trained with.
 * ``fsdp``: FSDP2 ``fully_shard`` on every block and the root; parameters, gradients and optimizer state are
-  sharded DTensors.
+  sharded DTensors. With bf16 training the parameters are all-gathered and computed in bf16 and gradients
+  reduce-scattered in fp32 (``MixedPrecisionPolicy``); the sharded fp32 master weights stay fp32.
 
 A single process (no process group) gets the bare model whichever mode is configured.
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zaya.dist.runtime import Runtime
+
+MODES = ("ddp", "zero1", "fsdp")
 
 
 @dataclass
@@ -32,13 +39,26 @@ class Parallel:
     module: nn.Module          # what to call forward on (DDP / FSDP / the bare model)
     model: nn.Module           # the underlying ZayaForCausalLM (its parameters may be DTensors under FSDP)
     runtime: Runtime
-    owner: dict[int, int] = field(default_factory=dict)   # zero1: id(param) -> owning rank
+    owner: dict[int, int] = field(default_factory=dict)   # zero1: id(param) -> owning dp rank
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the parameters are FSDP2 DTensors (a rank holds only its shards)."""
+        return self.mode == "fsdp" and self.runtime.distributed
+
+    @property
+    def replica_group(self) -> Any:
+        """The group over which every rank holds the same plain parameters (DDP), for Muon to split its work
+        over; None when parameters are per-rank subsets (zero1), shards (fsdp) or in a single process."""
+        if self.mode == "ddp" and self.runtime.distributed:
+            return self.runtime.dp_group or dist.group.WORLD
+        return None
 
     def owned(self, params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
         """The parameters this rank's optimizer steps (all of them except under zero1)."""
         if self.mode != "zero1" or not self.runtime.distributed:
             return params
-        return [(n, p) for n, p in params if self.owner[id(p)] == self.runtime.rank]
+        return [(n, p) for n, p in params if self.owner[id(p)] == self.runtime.dp_rank]
 
     @contextmanager
     def accumulating(self, is_last: bool) -> Iterator[None]:
@@ -60,6 +80,7 @@ class Parallel:
         """zero1: every owner broadcasts the parameters it updated (coalesced, one collective per owner)."""
         if self.mode != "zero1" or not self.runtime.distributed:
             return
+        group = self.runtime.dp_group
         by_owner: dict[int, list[torch.Tensor]] = {}
         for p in self.model.parameters():
             if p.requires_grad:
@@ -67,10 +88,11 @@ class Parallel:
         for rank in sorted(by_owner):
             tensors = by_owner[rank]
             flat = torch._utils._flatten_dense_tensors(tensors)
-            dist.broadcast(flat, src=rank)
-            if rank != self.runtime.rank:
-                for dst, src in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-                    dst.copy_(src)
+            src = dist.get_global_rank(group, rank) if group is not None else rank
+            dist.broadcast(flat, src=src, group=group)
+            if rank != self.runtime.dp_rank:
+                for dst, src_tensor in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+                    dst.copy_(src_tensor)
 
 
 def assign_owners(params: list[nn.Parameter], world_size: int) -> dict[int, int]:
@@ -85,22 +107,39 @@ def assign_owners(params: list[nn.Parameter], world_size: int) -> dict[int, int]
     return owner
 
 
-def wrap(model: nn.Module, mode: str, runtime: Runtime) -> Parallel:
+def mixed_precision(dtype: str) -> Any:
+    """FSDP2's policy for the compute dtype: bf16 all-gathers and compute, fp32 gradient reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if dtype == "bfloat16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32") -> Parallel:
+    """Wrap ``model`` (already on ``runtime.device``) for ``mode`` over the dp dimension."""
+    if mode not in MODES:
+        raise ValueError(f"unknown parallel mode {mode!r}; use one of {', '.join(MODES)}")
     if not runtime.distributed:
         return Parallel(mode, model, model, runtime)
     if mode in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-        module = DDP(model, device_ids=device_ids, broadcast_buffers=False)
+        with warnings.catch_warnings():
+            # torch 2.13 deprecates broadcast_buffers but advises keeping broadcast_buffers=False for rank-local
+            # buffers (the routers' balancing state is updated identically on every rank, never broadcast) until
+            # its replacement can skip the initial sync too.
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated", category=FutureWarning)
+            module = DDP(model, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True,
+                         process_group=runtime.dp_group)
         params = [p for p in model.parameters() if p.requires_grad]
-        owner = assign_owners(params, runtime.world_size) if mode == "zero1" else {}
+        owner = assign_owners(params, runtime.dp_size) if mode == "zero1" else {}
         return Parallel(mode, module, model, runtime, owner)
-    if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        return Parallel(mode, model, model, runtime)
-    raise ValueError(f"unknown parallel mode {mode!r}")
+    policy = mixed_precision(dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=runtime.dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=runtime.dp_mesh, mp_policy=policy)
+    return Parallel(mode, model, model, runtime)

@@ -1,30 +1,62 @@
-"""Mean next-token loss and perplexity of a model over a prepared dataset split (``zaya eval``)."""
+"""Next-token loss and perplexity of a model over a prepared dataset split: ``zaya eval``, and the trainer's
+validation (one code path for both).
+
+The loss is token-weighted: the sum of every target's loss over the number of targets, accumulated on the device
+(no host read per batch) and, under a runtime with several data-parallel ranks, summed over them before the one
+division; never a mean of per-batch or per-rank means.
+"""
 
 from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from zaya.device import autocast
 
-def evaluate_loss(model, dataset, seq_len: int, batch_size: int = 8, max_batches: int | None = None,
-                  split: str = "val", dtype: str = "bfloat16") -> dict[str, Any]:
-    """Token-weighted mean loss over the split's packed sequences, in order (no shuffle), one process."""
+
+def loss_totals(model: torch.nn.Module, dataset, seq_len: int, batch_size: int, max_batches: int | None = None,
+                split: str = "val", dtype: str = "bfloat16", runtime=None) -> tuple[torch.Tensor, int]:
+    """([loss sum, target count] as a float64 device tensor, batches) over this rank's share of the split (every
+    dp-th batch under ``runtime``), not reduced over ranks. Runs in eval mode without gradients."""
     from zaya.data.loader import validation_batches
 
-    device = next(model.parameters()).device
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16" else nullcontext()
-    total, count, batches = 0.0, 0, 0
+    device = runtime.device if runtime is not None else next(model.parameters()).device
+    rank, world = (runtime.dp_rank, runtime.dp_size) if runtime is not None else (0, 1)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    batches = 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast(device, dtype):
+            for x, y in validation_batches(dataset, seq_len, batch_size, rank, world, max_batches, split):
+                x, y = (runtime.to_device(x), runtime.to_device(y)) if runtime is not None else (x.to(device),
+                                                                                                y.to(device))
+                out = model(x, labels=y)
+                totals[0] += out.loss.double() * y.numel()
+                totals[1] += y.numel()
+                batches += 1
+    finally:
+        model.train(was_training)
+    return totals, batches
+
+
+def evaluate_loss(model: torch.nn.Module, dataset, seq_len: int, batch_size: int = 8, max_batches: int | None = None,
+                  split: str = "val", dtype: str = "bfloat16", runtime=None) -> dict[str, Any]:
+    """Token-weighted mean loss over the split's packed sequences, in order (no shuffle): one process, or every
+    data-parallel rank of ``runtime`` its share (collective: every rank calls it)."""
     start = time.perf_counter()
-    with torch.no_grad(), autocast:
-        for x, y in validation_batches(dataset, seq_len, batch_size, max_batches=max_batches, split=split):
-            out = model(x.to(device), labels=y.to(device))
-            total += float(out.loss) * y.numel()
-            count += y.numel()
-            batches += 1
-    loss = total / count
-    return {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"), "tokens": count,
-            "batches": batches, "seq_len": seq_len, "split": split, "seconds": time.perf_counter() - start}
+    totals, batches = loss_totals(model, dataset, seq_len, batch_size, max_batches, split, dtype, runtime)
+    if runtime is not None:
+        runtime.all_reduce(totals, over="dp")
+    loss_sum, count = runtime.read(totals) if runtime is not None else totals.tolist()
+    loss = loss_sum / count
+    world = runtime.dp_size if runtime is not None else 1
+    return {"loss": loss, "perplexity": perplexity(loss), "loss_sum": loss_sum, "tokens": int(count),
+            "batches": batches * world, "seq_len": seq_len, "split": split, "seconds": time.perf_counter() - start}
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")

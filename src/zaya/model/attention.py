@@ -44,17 +44,12 @@ class AttentionCache:
 
 def _scaled_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                         causal: bool) -> torch.Tensor:
-    """Softmax attention with GQA broadcasting; ``q`` [B,Hq,T,D], ``k``/``v`` [B,Hkv,S,D]."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1 and q.device.type == "cpu":
-        # Native GQA (CPU flash kernel): the same result as repeating k/v per query group, without the copies and
-        # their backward sums. Elsewhere repeat, which every backend accepts (some CUDA ones refuse enable_gqa).
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                              enable_gqa=True)
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+    """Softmax attention with GQA broadcasting; ``q`` [B,Hq,T,D], ``k``/``v`` [B,Hkv,S,D].
+
+    SDPA's native GQA (``enable_gqa``, torch >= 2.5) on every device: the same result as repeating k/v per query
+    group, without the copies and their backward sums (SDPA picks a kernel that takes it; flash attention does)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -126,11 +121,14 @@ class Attention(nn.Module):
         v_previous = torch.cat((first, v_delayed[:, :-1]), dim=1)
         v = torch.cat((v_current, v_previous), dim=-1).view(b, t, hk, hd)
 
-        # QK-norm to length sqrt(d); the per-KV-head temperature scales the keys.
+        # QK-norm to length sqrt(d); the per-KV-head temperature scales the keys. Under CUDA autocast the norm runs in
+        # fp32 and so would the products; cast back to the compute dtype q and k had, so that RoPE, the cache and
+        # SDPA (flash attention) see bf16 (a no-op on CPU, whose autocast keeps the norm in bf16).
         eps = torch.finfo(q.dtype).eps
         scale = hd**0.5
-        q = q * (scale / q.norm(dim=-1, keepdim=True).clamp_min(eps))
-        k = k * (scale / k.norm(dim=-1, keepdim=True).clamp_min(eps)) * self.temperature.to(k.dtype)[:, None]
+        dtype = q.dtype
+        q = (q * (scale / q.norm(dim=-1, keepdim=True).clamp_min(eps))).to(dtype)
+        k = (k * (scale / k.norm(dim=-1, keepdim=True).clamp_min(eps)) * self.temperature.to(dtype)[:, None]).to(dtype)
         return q, k, v
 
     def _plain_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

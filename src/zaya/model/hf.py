@@ -373,14 +373,3 @@ def write_hf(model: ZayaForCausalLM, directory: Path, max_shard_bytes: int = MAX
               if zaya_to_hf_name(k) is None}
     save_file(extras, str(directory / EXTRAS_FILE),
               metadata={"format": "pt", "zaya_model_config": json.dumps(to_dict(model.config))})
-
-
-def convert(src: str | Path, dst: str | Path, to: str, dtype: str = "keep", overwrite: bool = False) -> Path:
-    """Convert between the zaya and Hugging Face layouts (``to`` = "hf" or "zaya"); lossless with dtype="keep".
-
-    ``zaya.checkpoint.export.export`` with format "hf" or "safetensors" (zaya's layout): any source it takes."""
-    if to not in ("hf", "zaya"):
-        raise ValueError(f"--to must be 'hf' or 'zaya', got {to!r}")
-    from zaya.checkpoint.export import export
-
-    return export(src, dst, format="hf" if to == "hf" else "safetensors", dtype=dtype, overwrite=overwrite)

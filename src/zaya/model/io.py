@@ -1,4 +1,4 @@
-"""Model files: the zaya checkpoint directory, safe (atomic) directory writes, and ``load_pretrained``.
+"""Model files: the zaya checkpoint directory (writing and reading it) and reading a zaya or Hugging Face directory.
 
 A zaya checkpoint is a directory with ``zaya.json`` (format tag, the ModelConfig, and, when the weights came from
 a Hugging Face checkpoint, that checkpoint's config.json and generation_config.json so that converting back is
@@ -134,12 +134,12 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype | None = None) -> 
     return model
 
 
-def load_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> ZayaForCausalLM:
-    """Load a model from a zaya checkpoint or a Hugging Face ``zaya`` directory (config.json + safetensors).
+def load_directory(path: str | Path, dtype: torch.dtype | None = None) -> ZayaForCausalLM:
+    """A model from a zaya checkpoint or a Hugging Face ``zaya`` directory (config.json + safetensors), in eval mode.
 
     Tensors keep their stored dtype unless ``dtype`` is given. Nothing is re-initialised: the router's balancing
-    biases come from the file. Returns a ``ZayaForCausalLM`` in eval mode; ``model(input_ids).logits`` gives
-    [B, T, V] logits.
+    biases come from the file. The reader behind ``zaya.load_pretrained`` (``zaya.checkpoint.consolidate``), which
+    also takes run directories and training checkpoints.
     """
     path = Path(path)
     if not path.is_dir():

@@ -3,19 +3,30 @@
 Expert weights are stored stacked, one 3-D tensor per projection per layer, in the layout of the released
 checkpoints: ``gate_up_proj`` [E, 2I, D] (gate rows first, then up rows) and ``down_proj`` [E, D, I].
 
-Dispatch never loops over tokens in Python: the (token, slot) assignments are sorted by expert, the tokens
-gathered into one contiguous [M, D] block, both projections run as one grouped matmul each over the per-expert
-row ranges (``F.grouped_mm``), the result is scattered back to token order and weighted. Assignments to the skip
-class sort last and are simply not computed. Where grouped_mm is missing or not supported for the device/dtype, the
-same sorted layout is multiplied expert by expert over contiguous slices.
+Dispatch never loops over tokens in Python and never reads a value back to the host: the N * k (token, slot)
+assignments are sorted by class (stable; the skip class sorts last), the tokens gathered into one contiguous
+[N * k, D] block, both projections run as one grouped matmul each (``F.grouped_mm``) with int32 row offsets, the
+cumulative per-expert counts computed on the device, and the result is scattered back to assignment order and
+weighted. Every shape is static (N * k rows whatever the routing), so nothing waits for the device and the experts
+are always part of the autograd graph (DDP needs a gradient for every parameter on every rank, also on a rank whose
+tokens all went to the skip class).
+
+Rows past the last offset (the skipped assignments) are not computed: ``F.grouped_mm`` leaves them uninitialised
+(garbage, NaN or 1e38 included), in the forward output and in the input gradient alike. They are zeroed, with a
+device-side mask, where they could reach a result: the down projection's output before combining, and the gradient
+flowing back into ``x`` (the dispatch's backward). The rows in between (the gate/up output and SwiGLU, the down
+projection's input gradient) may hold garbage in those rows; nothing reads it. The grouped weight-gradient GEMM can
+leave an empty expert's gradient uninitialised on some GPUs, so it is masked with ``counts == 0`` as well.
 
 The gather/scatter, SwiGLU and grouped matmul have small hand-written backwards (the same arithmetic as autograd's;
 only the k > 1 sum of a token's slot gradients may round differently): the row permutations' backwards are
 gathers/copies with distinct indices instead of accumulating scatters (``index_put_`` with accumulate, serial on
-CPU), the mixing weights are applied while scattering back (no extra [N, D] tensor), the SwiGLU backward writes the
-gate and up gradients into one buffer instead of concatenating them, and no [N * k, D] zero tensor is allocated
-unless some assignment is skipped. On CPU these memory-bound steps otherwise add ~10% to the expert matmuls at the
-ZAYA1-base shape (see benchmarks/moe_block.py and benchmarks/results.md).
+CPU), the mixing weights are applied while scattering back (no extra [N, D] tensor), and the SwiGLU backward writes
+the gate and up gradients into one buffer instead of concatenating them. On CPU these memory-bound steps otherwise
+add ~10% to the expert matmuls at the ZAYA1-base shape (see benchmarks/moe_block.py and benchmarks/results.md).
+
+``moe_impl = "loop"`` is the reference: the same sorted layout multiplied expert by expert over contiguous slices.
+It reads the per-expert counts to the host (one sync per layer) and is not meant for training on a GPU.
 """
 
 from __future__ import annotations
@@ -32,36 +43,42 @@ from zaya.model.router import build_router
 
 
 class _DispatchRows(torch.autograd.Function):
-    """``x[tokens]``: gather the routed (token, slot) assignments in expert order, rows ``[M, D]``.
+    """``x[tokens]``: gather the (token, slot) assignments in expert order, rows ``[M, D]``.
 
     ``dest`` holds each sorted row's flat assignment index ``token * k + slot``. The backward writes every row's
     gradient to its assignment (``index_copy_``, the indices are distinct, so no accumulating scatter) and sums a
-    token's k slots; assignments to the skip class get zero.
+    token's k slots. Skipped assignments get zero: either they are not among the rows (``dest`` shorter than N * k,
+    the loop reference), or ``skipped`` [N * k] (bool) marks them and their rows' gradient, which the grouped GEMMs
+    leave uninitialised, is overwritten with zeros.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, k: int) -> torch.Tensor:  # noqa: D102
-        ctx.save_for_backward(dest)
+    def forward(ctx, x: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, k: int,  # noqa: D102
+                skipped: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(dest, skipped)
         ctx.n, ctx.k = x.shape[0], k
         return x.index_select(0, tokens)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        (dest,) = ctx.saved_tensors
+        dest, skipped = ctx.saved_tensors
         slots = ctx.n * ctx.k
         full = grad.new_empty(slots, grad.shape[1]) if dest.numel() == slots else grad.new_zeros(slots, grad.shape[1])
         full.index_copy_(0, dest, grad)
-        return (full.view(ctx.n, ctx.k, -1).sum(1) if ctx.k > 1 else full), None, None, None
+        if skipped is not None:
+            full.masked_fill_(skipped[:, None], 0)
+        return (full.view(ctx.n, ctx.k, -1).sum(1) if ctx.k > 1 else full), None, None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
     """Inverse of the dispatch, fused with the mixing weights: ``out[dest[p]] = y[p] * weights[dest[p]]``.
 
     ``y`` [M, D] holds the sorted rows, ``weights`` [N * k] the mixing weight of every assignment (in y's dtype);
-    the result is [N * k, D] in assignment order, zero for skipped assignments. Same products as ``combined *
-    weights[:, None]``, without the intermediate tensor; the backward gathers the incoming gradient once into sorted
-    order and gets both gradients from it.
+    the result is [N * k, D] in assignment order, zero for skipped assignments (their rows of ``y`` are zero, or
+    absent when ``dest`` is shorter than N * k). Same products as ``combined * weights[:, None]``, without the
+    intermediate tensor; the backward gathers the incoming gradient once into sorted order and gets both gradients
+    from it.
     """
 
     @staticmethod
@@ -115,47 +132,56 @@ class _GroupedLinear(torch.autograd.Function):
 
     Forward and both backward products are single ``F.grouped_mm`` calls, the weight gradient (``grad.T @ x``,
     grouped over rows) in the parameter's own [E, out, in] layout. The incoming gradient is made contiguous, as
-    grouped_mm's backward requires.
+    grouped_mm's backward requires. ``empty`` [E] (bool) marks the experts with no rows: their weight gradient is
+    set to zero (a grouped GEMM may leave an empty group uninitialised). ``tail`` [M] (bool), when given, marks the
+    rows past ``offsets[-1]``: their output, which grouped_mm leaves uninitialised, is set to zero. (The gradient of
+    those rows is never read: neither product of the backward uses rows outside the groups.)
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        ctx.save_for_backward(x, weight, offsets)
-        return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,  # noqa: D102
+                empty: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, offsets, empty)
+        out = F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        return out if tail is None else out.masked_fill_(tail[:, None], 0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        x, weight, offsets = ctx.saved_tensors
+        x, weight, offsets, empty = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = F.grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
-        grad_w = F.grouped_mm(grad.t(), x, offs=offsets) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = F.grouped_mm(grad.t(), x, offs=offsets).masked_fill_(empty[:, None, None], 0)
+        return grad_x, grad_w, None, None, None
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``F.grouped_mm`` is available and known-good for this device and dtype."""
+    """Whether ``F.grouped_mm`` is available and known-good for this device and dtype.
+
+    CPU: fp32 and bf16. GPUs: bf16 on NVIDIA compute capability 8.0+ (9.0/10.x run CUTLASS kernels; others torch's
+    fallback, a loop of GEMMs that reads the offsets to the host inside the op) and on every ROCm GPU (CK kernels on
+    gfx942/gfx950, the same fallback elsewhere).
+    """
     if not hasattr(F, "grouped_mm"):
         return False
     if device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16)
-    if device.type == "cuda" and torch.version.hip is None:
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return False
+        return torch.version.hip is not None or torch.cuda.get_device_capability(device) >= (8, 0)
     return False
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], offsets: torch.Tensor | None,
-                    use_grouped_mm: bool) -> torch.Tensor:
-    """Rows of ``x`` [M, in], grouped by expert (``counts``), times ``weight[e].T`` ([E, out, in])."""
-    if use_grouped_mm:
-        return _GroupedLinear.apply(x, weight, offsets)
-    outs = []
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            outs.append(x[start:start + count] @ weight[e].t())
-        start += count
-    return torch.cat(outs) if outs else x.new_zeros(0, weight.shape[1])
+def _loop_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Reference for ``_GroupedLinear``: rows of ``x`` grouped by expert (host ``counts``, at least one row in all),
+    times ``weight[e].T``, one matmul per non-empty expert. ``split``/``unbind`` rather than slicing and indexing,
+    so the backward assembles one [M, in] and one [E, out, in] gradient instead of zero-filling a full-size
+    gradient per expert."""
+    outs = [rows @ w.t() for rows, w, count in zip(x.split(counts), weight.unbind(0), counts) if count]
+    return torch.cat(outs)
 
 
 class Experts(nn.Module):
@@ -167,6 +193,9 @@ class Experts(nn.Module):
         self.hidden_size = cfg.hidden_size
         self.expert_hidden_size = cfg.expert_hidden_size
         self.impl = cfg.moe_impl
+        # Whether assignments to the skip class (== num_experts) can occur; without one no row is ever skipped and
+        # the masks that zero skipped rows are left out.
+        self.has_skip = cfg.num_router_classes > cfg.num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(cfg.num_experts, 2 * cfg.expert_hidden_size, cfg.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, cfg.expert_hidden_size))
 
@@ -177,26 +206,64 @@ class Experts(nn.Module):
         if self.impl == "grouped_mm" and not ok:
             raise RuntimeError(f"moe_impl = 'grouped_mm' is not supported on {x.device} with {dtype}; "
                                "use moe_impl = 'auto' or 'loop'")
+        # grouped_mm wants every row stride a multiple of 16 bytes (all its operands and gradients have rows of
+        # hidden_size, expert_hidden_size or 2 * expert_hidden_size elements); "auto" takes the loop otherwise.
+        size = dtype.itemsize
+        aligned = (self.hidden_size * size) % 16 == 0 and (self.expert_hidden_size * size) % 16 == 0
+        if ok and not aligned:
+            if self.impl == "grouped_mm":
+                raise RuntimeError(f"moe_impl = 'grouped_mm' needs hidden_size ({self.hidden_size}) and "
+                                   f"expert_hidden_size ({self.expert_hidden_size}) to be multiples of "
+                                   f"{16 // size} for {dtype}; use moe_impl = 'auto' or 'loop'")
+            return False
         return ok
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, D]; experts/weights [N, k]. Returns sum over slots of weight * expert(x), shape [N, D]."""
+        """x [N, D]; experts/weights [N, k] (class ``num_experts`` = skip: zero output, zero gradient).
+
+        Returns the sum over slots of weight * expert(x), shape [N, D]."""
         n, k = experts.shape
+        e = self.num_experts
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         flat = experts.reshape(-1)
-        counts_all = torch.bincount(flat, minlength=self.num_experts + 1)
-        counts = counts_all[: self.num_experts].tolist()
-        routed = sum(counts)
+        # Per-class counts on the device (no bincount: on a GPU it reads the maximum back to size its output).
+        counts = torch.zeros(e + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        counts = counts[:e]
+        # Assignments sorted by class (stable: token order within an expert); the skip class sorts last.
+        order = torch.argsort(flat, stable=True)
+        if not self._use_grouped_mm(x, dtype):
+            return self._loop(x, order, counts, weights, k, dtype)
+        offsets = counts.cumsum(0).to(torch.int32)
+        tail = skipped = None
+        if self.has_skip:
+            tail = torch.arange(flat.numel(), device=flat.device) >= offsets[-1]  # sorted rows past the experts'
+            skipped = flat >= e  # the same assignments, in assignment order
+        empty = counts == 0
+        tokens = order // k if k > 1 else order
+        xs = _DispatchRows.apply(x, tokens, order, k, skipped).to(dtype)
+        h = _GroupedLinear.apply(xs, self.gate_up_proj.to(dtype), offsets, empty, None)
+        y = _GroupedLinear.apply(_SwiGLU.apply(h), self.down_proj.to(dtype), offsets, empty, tail)
+        out = _CombineRows.apply(y, weights.reshape(-1).to(dtype), order)
+        return out.view(n, k, -1).sum(1) if k > 1 else out
+
+    def _loop(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, k: int,
+              dtype: torch.dtype) -> torch.Tensor:
+        """The reference path: reads ``counts`` to the host and multiplies expert by expert over the routed rows."""
+        n = x.shape[0]
+        host_counts = counts.tolist()
+        routed = sum(host_counts)
         if routed == 0:
-            return x.new_zeros(n, self.hidden_size, dtype=dtype)
-        # Assignments sorted by expert (stable: token order within an expert); the skip class sorts last and is cut.
-        dest = torch.argsort(flat, stable=True)[:routed]
+            # Nothing routed: a zero output that still depends on both weight stacks and on the mixing weights (zero
+            # gradients), so that the experts and the router stay in the autograd graph, as on the grouped_mm path
+            # (DDP expects a gradient for every parameter on every rank).
+            anchor = (self.gate_up_proj.reshape(-1)[0] + self.down_proj.reshape(-1)[0]).to(dtype) * 0
+            anchor = anchor + weights.sum().to(dtype) * 0
+            return x.new_zeros(n, self.hidden_size, dtype=dtype) + anchor
+        dest = order[:routed]  # the skip class sorts last and is cut
         tokens = dest // k if k > 1 else dest
-        xs = _DispatchRows.apply(x, tokens, dest, k).to(dtype)
-        use_gmm = self._use_grouped_mm(x, dtype)
-        offsets = counts_all[: self.num_experts].cumsum(0).to(torch.int32) if use_gmm else None
-        h = _grouped_linear(xs, self.gate_up_proj.to(dtype), counts, offsets, use_gmm)
-        y = _grouped_linear(_SwiGLU.apply(h), self.down_proj.to(dtype), counts, offsets, use_gmm)
+        xs = _DispatchRows.apply(x, tokens, dest, k, None).to(dtype)
+        h = _loop_linear(xs, self.gate_up_proj.to(dtype), host_counts)
+        y = _loop_linear(_SwiGLU.apply(h), self.down_proj.to(dtype), host_counts)
         out = _CombineRows.apply(y, weights.reshape(-1).to(dtype), dest)
         return out.view(n, k, -1).sum(1) if k > 1 else out
 
@@ -222,8 +289,13 @@ class MoEBlock(nn.Module):
         b, t, d = h.shape
         chosen = routing.experts.reshape(b * t, -1)
         out = self.experts(h.reshape(b * t, d), chosen, routing.weights.reshape(b * t, -1))
-        counted = chosen if token_mask is None else chosen[token_mask.reshape(-1)]
-        counts = torch.bincount(counted.reshape(-1), minlength=self.num_classes)
+        # Counts on the device: a scatter-add of one per assignment (zero for padding); no bincount, no mask indexing.
+        flat = chosen.reshape(-1)
+        if token_mask is None:
+            ones = torch.ones_like(flat)
+        else:
+            ones = token_mask.reshape(-1, 1).expand_as(chosen).reshape(-1).to(flat.dtype)
+        counts = torch.zeros(self.num_classes, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, ones)
         return out.view(b, t, d), routing.latent, counts
 
     def reset_parameters(self, std: float, num_layers: int) -> None:

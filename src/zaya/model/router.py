@@ -13,7 +13,8 @@ ZAYA1 router, per MoE layer (see docs/model.md):
    token through scaled by p. The paper does not describe it.
 
 Balancing (no auxiliary loss): after each optimizer step the trainer calls ``update_balancing_biases`` with the
-token counts of that step; g_e = f_e - 1/E is treated as the gradient of b_bal and fed to an AdamW-style update.
+global token counts of that step; g_e = f_e - 1/E is treated as the gradient of b_bal and fed to an AdamW-style
+update, on the device, without a collective and without reading anything back to the host.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -146,23 +146,25 @@ def update_balancing_biases(
     lr: float | None = None,
     betas: tuple[float, float] | None = None,
     eps: float | None = None,
-    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """One AdamW-style step of every router's balancing biases; call once per optimizer step.
 
-    ``tokens_per_expert`` [num_moe_layers, classes] holds this rank's counts for the whole step (summed over
-    micro-batches). When torch.distributed is initialised the counts are all-reduced first, so f_e is the fraction of
-    the *global* batch. f_e is taken over the real experts (skip tokens excluded), g_e = f_e - 1/E, and
+    ``tokens_per_expert`` [num_moe_layers, classes] holds the step's GLOBAL counts: summed over micro-batches and,
+    under data parallelism, over ranks by the caller (the trainer reduces them once, for its metrics too), so f_e
+    is the fraction of the global batch. This function runs no collective and reads nothing back to the host: the
+    Adam bias corrections are computed from the step counter on the device, and a layer whose experts got no
+    tokens is left as it is (``torch.where``; neither its biases, its moments nor its step move).
+
+    f_e is taken over the real experts (skip tokens excluded), g_e = f_e - 1/E, and
     b_e <- b_e - lr * m_hat / (sqrt(v_hat) + eps). The skip class's bias is left as it is. lr/betas/eps default to
-    the model config's ``router_balance_*``. Returns the per-layer load imbalance max_e f_e * E (1.0 = balanced).
+    the model config's ``router_balance_*``. Returns the per-layer load imbalance max_e f_e * E (1.0 = balanced) as
+    a float32 tensor [num_moe_layers] on the biases' device, NaN for a layer with no routed tokens.
     """
     routers = [m for m in model.modules() if isinstance(m, _BalancedTopK)]
     if tokens_per_expert.shape[0] != len(routers):
         raise ValueError(f"tokens_per_expert has {tokens_per_expert.shape[0]} rows but the model has "
                          f"{len(routers)} routers")
-    counts = tokens_per_expert.detach().to(device=routers[0].balancing_biases.device, dtype=torch.float64).clone()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(counts, group=group)
+    counts = tokens_per_expert.detach().to(device=routers[0].balancing_biases.device, dtype=torch.float64)
     cfg = getattr(model, "config", None)
     lr = lr if lr is not None else cfg.router_balance_lr
     beta1, beta2 = betas if betas is not None else cfg.router_balance_betas
@@ -172,17 +174,22 @@ def update_balancing_biases(
         e = router.num_experts
         real = layer_counts[:e]
         total = real.sum()
-        if total <= 0:
-            imbalance.append(float("nan"))
-            continue
-        f = real / total
-        imbalance.append(float(f.max() * e))
+        routed = total > 0
+        f = real / total  # NaN where nothing was routed; every use below is masked by ``routed``
+        imbalance.append(f.max() * e)
         g = (f - 1.0 / e).float()
-        router.balance_step += 1
-        step = float(router.balance_step)
-        router.balance_exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
-        router.balance_exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        m_hat = router.balance_exp_avg / (1 - beta1**step)
-        v_hat = router.balance_exp_avg_sq / (1 - beta2**step)
-        router.balancing_biases[:e] -= lr * m_hat / (v_hat.sqrt() + eps)
-    return torch.tensor(imbalance)
+        step = router.balance_step + 1
+        exp_avg = router.balance_exp_avg.mul(beta1).add_(g, alpha=1 - beta1)
+        exp_avg_sq = router.balance_exp_avg_sq.mul(beta2).addcmul_(g, g, value=1 - beta2)
+        # The bias corrections in float64 from the fp32 step counter, then rounded to fp32: the values the old
+        # host-side ``1 - beta ** float(step)`` gave (a Python float divisor is applied in the tensor's dtype).
+        step64 = step.double()
+        m_hat = exp_avg / (1 - torch.pow(beta1, step64)).float()
+        v_hat = exp_avg_sq / (1 - torch.pow(beta2, step64)).float()
+        biases = router.balancing_biases[:e]
+        new_biases = biases - lr * m_hat / (v_hat.sqrt() + eps)
+        biases.copy_(torch.where(routed, new_biases, biases))
+        router.balance_exp_avg.copy_(torch.where(routed, exp_avg, router.balance_exp_avg))
+        router.balance_exp_avg_sq.copy_(torch.where(routed, exp_avg_sq, router.balance_exp_avg_sq))
+        router.balance_step.copy_(torch.where(routed, step, router.balance_step))
+    return torch.stack(imbalance).float()

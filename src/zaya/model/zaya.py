@@ -16,6 +16,9 @@ from zaya.model.layers import InputAffine, ResidualScale, RMSNorm, RotaryEmbeddi
 from zaya.model.loss import cross_entropy
 from zaya.model.moe import MoEBlock
 
+EOS_CHECK_EVERY = 16
+"""``generate`` asks whether every row has emitted eos (a host read) once per this many decoded tokens."""
+
 
 @dataclass
 class DecodeState:
@@ -129,7 +132,8 @@ class ZayaForCausalLM(nn.Module):
     ) -> ZayaOutput:
         """Run the decoder.
 
-        input_ids: [B, T] token ids.
+        input_ids: [B, T] token ids in [0, vocab_size); not checked here (that would read them back to the host on
+            every call): use ``check_input_ids`` on untrusted input (``generate`` does, on the prompt).
         attention_mask: [B, T] with 1 for real tokens and 0 for padding (left padding for batched generation).
             Padding is zeroed before the CCA convolutions, masked out as keys, and left out of router statistics.
         position_ids: [B, T] or [T]; default ``arange(T)`` offset by the decode state's length (as in the
@@ -143,8 +147,6 @@ class ZayaForCausalLM(nn.Module):
         b, t = input_ids.shape
         if t == 0:
             raise ValueError("input_ids has no tokens")
-        if int(input_ids.max()) >= self.config.vocab_size or int(input_ids.min()) < 0:
-            raise ValueError(f"input_ids hold ids outside [0, vocab_size={self.config.vocab_size})")
         start = 0 if state is None else state.length
         if state is not None and start + t > state.capacity:
             raise ValueError(f"decode state holds {state.capacity} positions; {start} used, {t} more requested")
@@ -155,9 +157,9 @@ class ZayaForCausalLM(nn.Module):
             if attention_mask.shape != input_ids.shape:
                 raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                                  f"{tuple(input_ids.shape)} (pass the mask of this call's tokens only)")
+            # Kept even when it is all ones: deciding that would read it back to the host. An all-ones mask gives the
+            # same results through the explicit-mask attention path (generate() drops one once, on the prompt).
             token_mask = attention_mask.to(device=device, dtype=torch.bool)
-            if bool(token_mask.all()):
-                token_mask = None
         attn_mask = self._attention_mask(token_mask, state, start, t, device)
         if state is not None:
             state.key_valid[:, start:start + t] = True if token_mask is None else token_mask
@@ -190,6 +192,18 @@ class ZayaForCausalLM(nn.Module):
                 labels = labels[:, -logits_to_keep:]
             loss = cross_entropy(logits, labels)
         return ZayaOutput(logits=logits, loss=loss, tokens_per_expert=torch.stack(counts), state=state)
+
+    def check_input_ids(self, input_ids: torch.Tensor) -> None:
+        """Raise ValueError, naming the offending id, if ``input_ids`` holds an id outside [0, vocab_size).
+
+        Reads the ids' minimum and maximum back to the host (one read); ``forward`` does not call it."""
+        if input_ids.numel() == 0:
+            return
+        vocab = self.config.vocab_size
+        low, high = torch.stack(torch.aminmax(input_ids.detach())).tolist()
+        if high >= vocab or low < 0:
+            bad = high if high >= vocab else low
+            raise ValueError(f"input_ids hold id {bad}, outside [0, vocab_size={vocab})")
 
     @staticmethod
     def _attention_mask(token_mask: torch.Tensor | None, state: DecodeState | None, start: int, t: int,
@@ -241,7 +255,8 @@ class ZayaForCausalLM(nn.Module):
 
         temperature 0 means greedy. top_k keeps the k most likely tokens, top_p the smallest set whose probability
         reaches p. A fixed ``seed`` makes sampling reproducible. Sequences that emit ``eos_token_id`` keep emitting
-        it. Returns [B, T + max_new_tokens].
+        it; decoding stops early once every row has (checked every ``EOS_CHECK_EVERY`` tokens). The prompt's ids are
+        checked against the vocabulary (``check_input_ids``). Returns [B, T + max_new_tokens].
         """
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
@@ -251,6 +266,9 @@ class ZayaForCausalLM(nn.Module):
             raise ValueError("top_p must be in (0, 1]")
         if max_new_tokens == 0:
             return input_ids
+        self.check_input_ids(input_ids)
+        if attention_mask is not None and bool(attention_mask.bool().all()):
+            attention_mask = None  # one read per call: no padding, so the decode steps need no attention masks
         b, t = input_ids.shape
         state = self.new_state(b, t + max_new_tokens)
         generator = None
@@ -265,7 +283,11 @@ class ZayaForCausalLM(nn.Module):
                 token = torch.where(done, torch.full_like(token, eos_token_id), token)
                 done |= token == eos_token_id
             new_tokens.append(token)
-            if step + 1 == max_new_tokens or (eos_token_id is not None and bool(done.all())):
+            if step + 1 == max_new_tokens:
+                break
+            # Whether every row has finished is a host read: ask every EOS_CHECK_EVERY tokens, not every token. The
+            # output is the same: finished rows keep emitting eos, and a result cut short is padded with eos.
+            if eos_token_id is not None and (step + 1) % EOS_CHECK_EVERY == 0 and bool(done.all()):
                 break
             logits = self(token[:, None], state=state).logits[:, -1]
         out = torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)

@@ -8,7 +8,6 @@ line being written; ``zaya plot`` skips a torn last line). Records have ``kind``
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -54,17 +53,17 @@ def device_peak_flops(device: torch.device, configured: float = 0.0) -> tuple[fl
     return measure_matmul_peak(device), f"measured bf16 matmul on {device.type}"
 
 
-def expert_load_stats(counts: torch.Tensor, num_experts: int) -> dict[str, Any]:
-    """From global per-layer router-class counts [L, classes]: load fractions, max/mean over experts, skip share."""
-    counts = counts.double()
-    totals = counts.sum(dim=1, keepdim=True).clamp_min(1)
-    fractions = counts / totals
-    real = counts[:, :num_experts]
-    mean = real.mean(dim=1).clamp_min(1e-12)
-    skip = fractions[:, num_experts:].sum(dim=1) if counts.shape[1] > num_experts else torch.zeros(len(counts))
-    return {"expert_load": [[round(float(x), 5) for x in row] for row in fractions],
-            "expert_load_max_over_mean": [round(float(x), 4) for x in real.max(dim=1).values / mean],
-            "skip_fraction": [round(float(x), 5) for x in skip]}
+def expert_load_stats(counts: list[list[float]], num_experts: int) -> dict[str, Any]:
+    """From global per-layer router-class counts (host numbers, [layers][classes]): each class's share of a layer's
+    tokens, the busiest expert's load over the mean, and the skip class's share (0 without one)."""
+    load, over_mean, skip = [], [], []
+    for row in counts:
+        total = max(sum(row), 1)
+        load.append([round(x / total, 5) for x in row])
+        real = row[:num_experts]
+        over_mean.append(round(max(real) / max(sum(real) / len(real), 1e-12), 4))
+        skip.append(round(sum(row[num_experts:]) / total, 5))
+    return {"expert_load": load, "expert_load_max_over_mean": over_mean, "skip_fraction": skip}
 
 
 def _drop_torn_line(path: Path) -> None:
@@ -174,7 +173,3 @@ def format_step(r: dict[str, Any], total: int) -> str:
     load = max(r.get("expert_load_max_over_mean") or [float("nan")])
     return (f"step {r['step']:>6}/{total}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad {r['grad_norm']:.3f}  "
             f"{r['tokens_per_s']:,.0f} tok/s  mfu {100 * r['mfu']:.1f}%  load {load:.2f}  [{r['stage']}]")
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss) if loss < 700 else float("inf")

@@ -1,0 +1,94 @@
+"""Building the trainer's parts from a config and a runtime: the datasets and their loader, the model in its
+parallel wrapper, the optimizers. Each builder is collective (every rank calls it) and fails on every rank alike,
+naming what is wrong, instead of leaving some ranks waiting in a collective for one that gave up.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import numpy as np
+import torch
+
+from zaya.config import Config
+from zaya.dist.parallel import Parallel, wrap
+from zaya.dist.runtime import Runtime
+
+
+def resolve_datasets(config: Config, rt: Runtime, say: Callable[[str], None]) -> dict:
+    """data.datasets as opened ``PreparedDataset``s, the same on every rank.
+
+    Shared (default): rank 0 resolves each entry (preparing a builtin corpus into the cache on first use) and every
+    rank opens the directories it found. Node-local (``data.node_local``): the first rank of every node resolves
+    them itself. Either way every rank's copy must have rank 0's content (``check_same_datasets``).
+    """
+    from zaya.data.bundle import PreparedDataset
+    from zaya.data.cache import resolve_dataset
+    from zaya.data.loader import check_vocabulary
+    from zaya.dist.shared_fs import check_same_datasets
+
+    dc, mc = config.data, config.model
+    first = rt.is_local_main if dc.node_local else rt.is_main
+
+    def resolve() -> dict[str, str]:
+        return {name: str(resolve_dataset(spec, dc.builtin_vocab_size, dc.cache_dir, log=say))
+                for name, spec in dc.datasets.items()}
+
+    specs, error = None, None
+    if first:
+        try:
+            specs = resolve()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by agree()
+            error = exc
+    rt.agree(error, "start-up (resolving data.datasets)")
+    if dc.node_local:
+        specs = specs if first else resolve()  # the node's first rank has prepared what needed preparing
+    else:
+        specs = rt.broadcast_object(specs)
+    datasets, fingerprints, problem = {}, None, None
+    try:
+        datasets = {name: PreparedDataset(path) for name, path in specs.items()}
+        fingerprints = {name: d.fingerprint() for name, d in datasets.items()}
+    except (OSError, ValueError) as exc:
+        problem = f"{type(exc).__name__}: {exc}"
+    check_same_datasets(rt, fingerprints, problem, dc.node_local)
+    for dataset in datasets.values():  # the same data on every rank, so the same verdict
+        check_vocabulary(dataset, mc.vocab_size, mc.eos_token_id)
+    return datasets
+
+
+def build_data(config: Config, rt: Runtime, say: Callable[[str], None]):
+    """(datasets, the training data loader of this data-parallel rank)."""
+    from zaya.data.loader import DataLoader
+    from zaya.train.schedule import stages_of
+
+    datasets = resolve_datasets(config, rt, say)
+    dc = config.data
+    loader = DataLoader(datasets, stages_of(config), rank=rt.dp_rank, world_size=rt.dp_size, seed=dc.seed,
+                        document_positions=dc.document_positions, prefetch=dc.prefetch,
+                        pin_memory=rt.device.type == "cuda")
+    return datasets, loader
+
+
+def build_model(config: Config, rt: Runtime) -> Parallel:
+    """The model, built and initialised directly on the runtime's device, in its parallel wrapper."""
+    from zaya.model import ZayaForCausalLM
+
+    tc = config.train
+    torch.manual_seed(tc.seed)
+    random.seed(tc.seed)
+    np.random.seed(tc.seed)
+    with torch.device(rt.device):
+        model = ZayaForCausalLM(config.model)
+    return wrap(model, tc.parallel, rt, tc.dtype)
+
+
+def build_optimizers_for(config: Config, parallel: Parallel) -> list[torch.optim.Optimizer]:
+    """Muon + AdamW over the parameters this rank steps (its own subset under zero1)."""
+    from zaya.optim.build import ParamSplit, build_optimizers, split_parameters
+
+    split = split_parameters(parallel.model, config.optim.muon)
+    owned = ParamSplit(parallel.owned(split.muon), parallel.owned(split.adamw_decay),
+                       parallel.owned(split.adamw_no_decay))
+    return build_optimizers(owned, config.optim, replica_group=parallel.replica_group)

@@ -1,0 +1,159 @@
+"""Everything around a training run that is not the step itself attaches as a callback.
+
+The protocol: the trainer calls these hooks, in order, on every rank; a callback decides for itself whether it
+acts on this rank (most act on rank 0 only). A hook never takes part in a collective.
+
+    on_start(trainer)                 the parts are built, the run (re)starts at trainer.progress.step
+    on_step_end(trainer, record)      after every optimizer step (a skipped step too: record["skipped"])
+    on_evaluation(trainer, record)    after every validation
+    on_save(trainer, step, reason)    after a checkpoint is issued ("periodic", "final" or the stop reason)
+    on_stop(trainer, summary)         the run ends normally: finished, or stopped on request
+    on_error(trainer, error)          the run ends with an exception (it is re-raised afterwards)
+
+``record`` is the dict written to metrics.jsonl (docs/training.md lists its fields). The built-in callbacks
+write metrics.jsonl and TensorBoard events, show the progress line, draw the plots and generate the sample at
+the end; a future supervisor's heartbeats attach the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zaya.train.metrics import MetricsLog, Progress
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zaya.train.trainer import Trainer
+
+
+class Callback:
+    """Base class: every hook does nothing."""
+
+    def on_start(self, trainer: "Trainer") -> None:
+        pass
+
+    def on_step_end(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        pass
+
+    def on_evaluation(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        pass
+
+    def on_save(self, trainer: "Trainer", step: int, reason: str) -> None:
+        pass
+
+    def on_stop(self, trainer: "Trainer", summary: dict[str, Any]) -> None:
+        pass
+
+    def on_error(self, trainer: "Trainer", error: BaseException) -> None:
+        pass
+
+
+class MetricsFile(Callback):
+    """``metrics.jsonl`` (and TensorBoard scalars with ``tensorboard_dir``), rank 0."""
+
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None):
+        self.path, self.tensorboard_dir = path, tensorboard_dir
+        self.log: MetricsLog | None = None
+
+    def _open(self, trainer: "Trainer") -> MetricsLog:
+        """The log, opened on first use (a trainer driven step by step, without fit(), writes records too)."""
+        if self.log is None:
+            self.log = MetricsLog(self.path, trainer.runtime.is_main, self.tensorboard_dir)
+        return self.log
+
+    def on_step_end(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        self._open(trainer).write(record)
+
+    def on_evaluation(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        self._open(trainer).write(record)
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+    def on_stop(self, trainer: "Trainer", summary: dict[str, Any]) -> None:
+        self.close()
+
+    def on_error(self, trainer: "Trainer", error: BaseException) -> None:
+        self.close()
+
+
+class ProgressDisplay(Callback):
+    """The live progress line on a terminal, plain log lines otherwise (rank 0); the trainer's ``say`` too."""
+
+    def __init__(self, total_steps: int, log_every: int, enabled: bool):
+        self.total, self.log_every, self.enabled = total_steps, log_every, enabled
+        self.display = Progress(total_steps, 0, enabled, log_every)
+
+    def say(self, text: str) -> None:
+        self.display.say(text)
+
+    def on_start(self, trainer: "Trainer") -> None:
+        # Restart the bar at the resumed step (it was made before the checkpoint was loaded, to show start-up).
+        self.display.close()
+        self.display = Progress(self.total, trainer.progress.step, self.enabled, self.log_every)
+
+    def on_step_end(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        if not record.get("skipped"):
+            self.display.step(record)
+
+    def on_evaluation(self, trainer: "Trainer", record: dict[str, Any]) -> None:
+        self.say(f"step {record['step']:>6}  validation loss {record['val_loss']:.4f}  (ppl {record['val_ppl']:.2f})")
+
+    def close(self) -> None:
+        self.display.close()
+
+    def on_stop(self, trainer: "Trainer", summary: dict[str, Any]) -> None:
+        self.close()
+
+    def on_error(self, trainer: "Trainer", error: BaseException) -> None:
+        self.close()
+
+
+class Plots(Callback):
+    """The PNGs of ``zaya plot`` at the end of a finished run (rank 0); a failure is a warning, never an error."""
+
+    def on_stop(self, trainer: "Trainer", summary: dict[str, Any]) -> None:
+        if not (summary["finished"] and trainer.runtime.is_main):
+            return
+        try:
+            from zaya.train.plot import plot_run
+
+            paths = plot_run(trainer.run_dir)
+            summary["plots"] = [str(p) for p in paths]
+            trainer.say(f"plots: {', '.join(str(p) for p in paths)}")
+        except Exception as exc:  # noqa: BLE001 - plots are a convenience; never fail a finished run over them
+            trainer.say(f"warning: could not write plots ({exc})")
+
+
+class Sample(Callback):
+    """A generated sample from the final model, shown and put in the summary (rank 0; not under FSDP, where the
+    parameters are sharded over the ranks: use ``zaya generate``)."""
+
+    def __init__(self, prompt: str, tokens: int, seed: int):
+        self.prompt, self.tokens, self.seed = prompt, tokens, seed
+
+    def on_stop(self, trainer: "Trainer", summary: dict[str, Any]) -> None:
+        if not (summary["finished"] and trainer.runtime.is_main and self.prompt and self.tokens > 0):
+            return
+        if trainer.parallel.sharded:
+            trainer.say("sample: skipped under FSDP (run `zaya generate --checkpoint RUN_DIR`)")
+            return
+        import torch
+
+        model = trainer.parallel.model
+        tokenizer = trainer.tokenizer()
+        ids = [model.config.eos_token_id] + tokenizer.encode(self.prompt)
+        prompt = torch.tensor([ids], device=trainer.runtime.device)
+        model.eval()
+        try:
+            with torch.no_grad(), trainer.autocast():
+                out = model.generate(prompt, max_new_tokens=self.tokens, temperature=0.8, top_k=40, seed=self.seed)
+        finally:
+            model.train()
+        sample = tokenizer.decode(out[0, 1:].tolist())
+        summary["sample"] = sample
+        trainer.say("--- sample ---")
+        trainer.say(sample)
+        trainer.say("--------------")

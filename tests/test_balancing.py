@@ -1,0 +1,104 @@
+"""Bias balancing: ``update_balancing_biases`` takes the step's global counts (the caller sums them over micro-batches
+and data-parallel ranks), runs no collective and reads nothing back to the host, and takes the same Adam step as the
+host-side reference below."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from zaya.config import ModelConfig
+from zaya.dist.checks import HostReads
+from zaya.model import ZayaForCausalLM, update_balancing_biases
+
+CFG = dict(vocab_size=32, hidden_size=16, num_layers=3, num_query_heads=2, num_kv_heads=2, head_dim=8,
+           num_experts=4, expert_hidden_size=8, router_hidden_size=8, router_balance_lr=0.01)
+
+
+def routers(model):
+    return [b.moe.router for b in model.blocks]
+
+
+@torch.no_grad()
+def reference_update(model, counts) -> list[float]:
+    """The update as it was written with host-side scalars (one layer at a time, Python floats)."""
+    cfg = model.config
+    beta1, beta2 = cfg.router_balance_betas
+    imbalance = []
+    for router, layer_counts in zip(routers(model), counts.double()):
+        e = router.num_experts
+        real = layer_counts[:e]
+        total = float(real.sum())
+        if total <= 0:
+            imbalance.append(float("nan"))
+            continue
+        f = real / total
+        imbalance.append(float(f.max() * e))
+        g = (f - 1.0 / e).float()
+        router.balance_step += 1
+        step = float(router.balance_step)
+        router.balance_exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
+        router.balance_exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        m_hat = router.balance_exp_avg / (1 - beta1**step)
+        v_hat = router.balance_exp_avg_sq / (1 - beta2**step)
+        router.balancing_biases[:e] -= cfg.router_balance_lr * m_hat / (v_hat.sqrt() + cfg.router_balance_eps)
+    return imbalance
+
+
+def test_update_with_summed_counts_equals_the_host_side_math(monkeypatch):
+    def no_collectives(*args, **kwargs):
+        raise AssertionError("update_balancing_biases ran a collective")
+
+    monkeypatch.setattr(dist, "all_reduce", no_collectives)
+    torch.manual_seed(0)
+    got = ZayaForCausalLM(ModelConfig(**CFG))
+    want = ZayaForCausalLM(ModelConfig(**CFG))
+    want.load_state_dict(got.state_dict())
+    g = torch.Generator().manual_seed(0)
+    for step in range(60):
+        per_rank = torch.randint(0, 40, (2, 3, 5), generator=g)  # [ranks, layers, classes]
+        if step % 5 == 0:
+            per_rank[:, 1, :4] = 0  # a layer whose experts got nothing (all skipped) this step
+        counts = per_rank.sum(0)  # the caller's reduction over ranks
+        with HostReads() as reads:
+            imbalance = update_balancing_biases(got, counts)
+        assert reads.total == 0, reads.report()
+        expected = reference_update(want, counts)
+        assert imbalance.dtype == torch.float32 and imbalance.shape == (3,)
+        torch.testing.assert_close(imbalance, torch.tensor(expected), equal_nan=True, rtol=0, atol=0)
+        for a, b in zip(got.buffers(), want.buffers()):
+            assert torch.equal(a, b)
+    assert [float(r.balance_step) for r in routers(got)] == [60, 48, 60]
+
+
+def test_skip_bias_is_untouched_and_overloaded_expert_pushed_down():
+    torch.manual_seed(0)
+    model = ZayaForCausalLM(ModelConfig(**CFG))
+    before = [r.balancing_biases.clone() for r in routers(model)]
+    counts = torch.tensor([[10, 2, 2, 2, 5], [4, 4, 4, 4, 9], [1, 2, 3, 4, 0]])
+    imbalance = update_balancing_biases(model, counts)
+    after = [r.balancing_biases for r in routers(model)]
+    for b, a in zip(before, after):
+        assert a[4] == b[4] == -1.0  # the skip class's bias
+    assert after[0][0] < 0 < after[0][1]
+    assert torch.equal(after[1], before[1])  # balanced: g = 0
+    lr, eps = CFG["router_balance_lr"], ModelConfig(**CFG).router_balance_eps
+    g = torch.tensor([0.1, 0.2, 0.3, 0.4]) - 0.25
+    torch.testing.assert_close(after[2][:4], -lr * g / (g.abs() + eps))  # first Adam step: -lr * sign(g)
+    assert math.isclose(float(imbalance[0]), 10 / 16 * 4, rel_tol=1e-6)
+    assert math.isclose(float(imbalance[1]), 1.0, rel_tol=1e-6)
+
+
+def test_layer_with_no_routed_tokens_is_left_unchanged():
+    torch.manual_seed(0)
+    model = ZayaForCausalLM(ModelConfig(**CFG))
+    update_balancing_biases(model, torch.tensor([[9, 1, 3, 3, 0]] * 3))  # moments and steps away from zero
+    state = {k: v.clone() for k, v in model.state_dict().items() if "balanc" in k}
+    imbalance = update_balancing_biases(model, torch.tensor([[5, 1, 1, 1, 2], [0, 0, 0, 0, 7], [0, 0, 0, 0, 0]]))
+    assert torch.isnan(imbalance[1:]).all() and not torch.isnan(imbalance[0])
+    for k, v in model.state_dict().items():
+        if "balanc" in k:
+            assert torch.equal(v, state[k]) == (not k.startswith("blocks.0.")), k
+    assert all(torch.isfinite(r.balancing_biases).all() for r in routers(model))

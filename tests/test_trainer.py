@@ -1,0 +1,165 @@
+"""The trainer as parts, in one process: the callback protocol, the host-read budget of a step, validation through
+the eval code, the keys that may change on resume, and the exit codes `zaya train` ends with."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from zaya.cli import main
+from zaya.config import Config, TrainConfig, config_differences, load_config
+from zaya.dist.runtime import Runtime
+
+
+def build(cfg_path, *overrides: str, resume: str = "never", callbacks=None):
+    from zaya.train.trainer import Trainer
+
+    return Trainer.build(load_config(cfg_path, list(overrides)), Runtime(), resume=resume, callbacks=callbacks)
+
+
+class Recorder:
+    """A callback that records the hooks it receives (a subclass of nothing: the protocol is duck-typed too)."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_start(self, trainer):
+        self.events.append(("start", trainer.progress.step))
+
+    def on_step_end(self, trainer, record):
+        self.events.append(("step", record["step"]))
+
+    def on_evaluation(self, trainer, record):
+        self.events.append(("val", record["step"]))
+
+    def on_save(self, trainer, step, reason):
+        self.events.append(("save", step, reason))
+
+    def on_stop(self, trainer, summary):
+        self.events.append(("stop", summary["finished"]))
+
+    def on_error(self, trainer, error):
+        self.events.append(("error", type(error).__name__))
+
+
+def test_callbacks_see_the_run_in_order(tmp_path, micro_config):
+    from zaya.train.trainer import Trainer
+
+    rec = Recorder()
+    trainer = build(micro_config(tmp_path / "run"), "train.max_steps=4", "train.eval_every=2",
+                    "checkpoint.every=2", callbacks=[rec])
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert isinstance(trainer, Trainer) and summary["finished"]
+    assert rec.events == [("start", 0), ("val", 0), ("step", 1), ("step", 2), ("val", 2), ("save", 2, "periodic"),
+                          ("step", 3), ("step", 4), ("val", 4), ("save", 4, "final"), ("stop", True)]
+
+
+def test_an_error_reaches_the_callbacks_and_is_raised(tmp_path, micro_config, monkeypatch):
+    rec = Recorder()
+    trainer = build(micro_config(tmp_path / "run"), "train.eval_every=0", callbacks=[rec])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a torch error inside the step")
+
+    monkeypatch.setattr(trainer.parallel.module, "forward", broken)
+    try:
+        with pytest.raises(RuntimeError, match="inside the step"):
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert rec.events == [("start", 0), ("error", "RuntimeError")]
+
+
+def test_a_step_reads_the_host_once_whatever_its_accumulation(tmp_path, micro_config):
+    from zaya.dist.checks import HostReads
+    from zaya.train.trainer import HOST_READS_PER_STEP
+
+    # 4 micro-batches per step; bf16 autocast (the default); the skip class is on in the micro model.
+    trainer = build(micro_config(tmp_path / "run"), "train.global_batch_tokens=512")
+    try:
+        trainer.step()  # the first step also creates the optimizers' state
+        with HostReads() as reads:
+            record = trainer.step()
+    finally:
+        trainer.close()
+    assert record["accumulation"] == 4
+    assert reads.total <= HOST_READS_PER_STEP == 1, reads.report()
+
+
+def test_validation_is_the_eval_code_and_is_token_weighted(tmp_path, micro_config, shakespeare_dataset):
+    from zaya.data.bundle import PreparedDataset
+    from zaya.eval.perplexity import evaluate_loss
+
+    trainer = build(micro_config(tmp_path / "run"), "train.dtype=\"float32\"")
+    try:
+        val = trainer.evaluate()
+        direct = evaluate_loss(trainer.parallel.model, PreparedDataset(shakespeare_dataset), seq_len=32,
+                               batch_size=4, max_batches=2, dtype="float32")
+    finally:
+        trainer.close()
+    assert val == direct["loss"]
+    assert direct["tokens"] == 2 * 4 * 32
+
+
+def test_which_keys_may_change_on_resume_is_declared_on_the_fields():
+    import dataclasses
+
+    base = Config()
+    resumable = {f"{t.name}.{f.name}" for t in dataclasses.fields(Config) if t.name != "stages"
+                 for f in dataclasses.fields(getattr(base, t.name)) if f.metadata.get("resumable")}
+    assert {"train.max_steps", "train.parallel", "train.device", "train.run_dir", "checkpoint.every",
+            "data.prefetch", "data.node_local"} <= resumable
+    assert "train.seed" not in resumable and "optim.lr" not in resumable and "model.hidden_size" not in resumable
+    changed = Config(train=TrainConfig(max_steps=7, parallel="fsdp", seed=5, device="cpu"))
+    assert config_differences(base, changed) == ["train.seed"]
+
+
+def test_exit_codes_of_zaya_train(tmp_path, micro_config, monkeypatch, capsys):
+    import zaya.train.trainer as trainer_module
+
+    cfg = micro_config(tmp_path / "run")
+    # A config error: 2.
+    assert main(["train", "--config", str(cfg), "--set", "train.parallel=\"tp\""]) == 2
+    # A torch error inside a step is a bug (70) with its traceback, never a config error (2).
+    real_step = trainer_module.Trainer.step
+
+    def failing_step(self):
+        raise ValueError("shape mismatch deep inside torch")
+
+    monkeypatch.setattr(trainer_module.Trainer, "step", failing_step)
+    assert main(["train", "--config", str(cfg), "--resume", "never"]) == 70
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "internal error" in err and "shape mismatch" in err
+    monkeypatch.setattr(trainer_module.Trainer, "step", real_step)
+    # A non-finite loss: 4.
+    real_clip = trainer_module._clip
+    monkeypatch.setattr(trainer_module, "_clip", lambda params, max_norm: torch.full_like(
+        real_clip(params, max_norm), float("inf")))
+    assert main(["train", "--config", str(cfg), "--resume", "never"]) == 4
+    assert "non-finite gradient norm at step 1" in capsys.readouterr().err
+
+
+def test_the_table_of_exit_codes_is_documented():
+    from pathlib import Path
+
+    from zaya import errors
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    for code in (errors.FINISHED, errors.CONFIG_ERROR, errors.DATA_ERROR, errors.NON_FINITE, errors.CHECKPOINT_ERROR,
+                 errors.COLLECTIVE_ERROR, errors.INTERRUPTED, errors.INTERNAL_ERROR):
+        assert f"| {code} " in doc, f"exit code {code} is not in docs/architecture.md"
+
+
+def test_metrics_records_are_written_by_the_metrics_callback(tmp_path, micro_config):
+    trainer = build(micro_config(tmp_path / "run"), "train.max_steps=2", "train.eval_every=0")
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["train", "train", "val"]
