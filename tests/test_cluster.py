@@ -129,8 +129,9 @@ def test_a_step_keeps_to_its_host_read_budget_with_strict_devices(tmp_path, shak
         assert r.error is None, r.error
         v = r.value
         assert v["accumulation"] == 2
-        # The budget: one host read per step (the step's logged and decided-on scalars), however many micro-batches.
-        assert v["reads"] <= v["budget"] == 1, v["report"]
+        # The budget (two: the step's scalars, and Muon's drift checks when a matrix takes the Gram path; the micro
+        # model has none) holds under ZeRO-1 and FSDP2 as in one process, however many micro-batches.
+        assert v["reads"] <= 1 < v["budget"] == 2, v["report"]
         assert v["mesh"] == (("dp", "cp"), 2, 1, r.rank)
     assert results[0].value["loss"] == results[1].value["loss"]
 

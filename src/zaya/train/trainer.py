@@ -10,7 +10,8 @@ micro-batches, forward and backward each (the gradient all-reduce only on the la
 the step's scalars (loss sum, target count, expert counts, the ranks' stop and checkpoint-failure flags) and ONE
 host read of them, which decides (a non-finite loss skips or stops the step on every rank alike) and is what gets
 logged; then the optimizers, ZeRO-1's parameter broadcast and the router's bias-balancing update from the global
-expert counts, all on the device. Nothing else in a step waits for the device (tests/test_host_reads.py).
+expert counts, all on the device. Nothing else in a step waits for the device but Muon's one read of its
+Newton-Schulz drift checks (``HOST_READS_PER_STEP``; tests/test_trainer.py, tests/test_cluster.py).
 
 Exact resume: a checkpoint holds the model (router balancing state included), both optimizers, the data loader's
 position, the step and token counters and the RNG states, each a named part of the checkpoint; the LR schedule
@@ -43,9 +44,11 @@ from zaya.train.schedule import Schedule, stage_at
 from zaya.train.state import Progress, RNGState
 
 
-HOST_READS_PER_STEP = 1
-"""The host reads (device-to-host waits) a training step may do, whatever its accumulation: the one read of the
-step's reduced scalars. tests/test_cluster.py and tests/test_trainer.py hold every parallel mode to it."""
+HOST_READS_PER_STEP = 2
+"""The host reads (device-to-host waits) a training step may do, whatever its accumulation and parallel mode: the
+trainer's one read of the step's reduced scalars, and Muon's one read of its Newton-Schulz drift checks (only in a
+step where some matrix takes the Gram-space path: ``zaya.optim.muon``). tests/test_trainer.py and
+tests/test_cluster.py hold the trainer to it."""
 
 
 class _StopRequest:
