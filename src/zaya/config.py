@@ -122,9 +122,8 @@ class ModelConfig:
         if self.attention == "mha":
             need(self.num_kv_heads == self.num_query_heads, "num_kv_heads",
                  f'must equal num_query_heads ({self.num_query_heads}) when attention = "mha"')
-        if self.attention == "cca":
-            need(self.num_kv_heads % 2 == 0, "num_kv_heads",
-                 "must be even for CCA: half of the value heads come from the current token, half from the previous")
+        # CCA splits the num_kv_heads * head_dim value channels (not the heads) in two, as transformers does: any
+        # KV head count works, and the even head_dim that RoPE needs makes the channel count even.
         need(self.head_dim % 2 == 0, "head_dim", "must be even for RoPE")
         need(0.0 <= self.rope_fraction <= 1.0, "rope_fraction", "must be within [0, 1]")
         rotary = self.rotary_dim

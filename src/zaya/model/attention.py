@@ -3,8 +3,11 @@
 CCA (Compressed Convolutional Attention, arXiv 2510.04476) as ZAYA1 uses it, per layer:
 
 1. q = W_q h, k = W_k h (no bias); the value comes from two half-width projections, one of the current token and
-   one of the previous token (the "value shift"): v = [W_v1 h_t ; W_v2 h_{t-1}] split into the KV heads, so the
-   first half of the value heads sees the current token and the second half the previous one.
+   one of the previous token (the "value shift"): v = [W_v1 h_t ; W_v2 h_{t-1}], a split of the value CHANNELS
+   (``cca_value``): the first num_kv_heads*head_dim/2 channels, in head-major order, see the current token and the
+   rest the previous one. With an even number of KV heads that is the first half of the heads against the second;
+   with an odd number the middle head takes its first head_dim/2 channels from the current token and the rest from
+   the previous one. This is what ``transformers``' ``ZayaCCAProjection`` does, so any KV head count works.
 2. q-k mean: qm_q = (q + repeat(k)) / 2 per query head, qm_k = mean of qm_q over each GQA group.
 3. Two causal convolutions over the packed [q; k] channels: a depthwise one along time, then a grouped one (one
    group per head) mixing channels within a head across time. q = conv_q + qm_q, k = conv_k + qm_k.
@@ -50,6 +53,18 @@ def _scaled_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     group, without the copies and their backward sums (SDPA picks a kernel that takes it; flash attention does)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def cca_value(v_current: torch.Tensor, v_previous: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """The CCA value heads [B, T, Hkv, D] from the current token's and the previous token's half-width projections
+    (each [B, T, Hkv*D/2]).
+
+    The split is over channels, not heads: the two halves are concatenated, then viewed as heads, as
+    ``transformers``' ``ZayaCCAProjection`` does. For an even head count this equals giving the first half of the heads
+    the current token (so checkpoints made that way load unchanged); for an odd one (1, 3, ...) the middle head
+    straddles the two halves, which a split by heads could not express."""
+    b, t, _ = v_current.shape
+    return torch.cat((v_current, v_previous), dim=-1).view(b, t, num_kv_heads, head_dim)
 
 
 class Attention(nn.Module):
@@ -118,8 +133,7 @@ class Attention(nn.Module):
             cache.value_state = v_delayed[:, -1].detach().clone()
         else:
             first = v_delayed.new_zeros(b, 1, v_delayed.shape[-1])
-        v_previous = torch.cat((first, v_delayed[:, :-1]), dim=1)
-        v = torch.cat((v_current, v_previous), dim=-1).view(b, t, hk, hd)
+        v = cca_value(v_current, torch.cat((first, v_delayed[:, :-1]), dim=1), hk, hd)
 
         # QK-norm to length sqrt(d); the per-KV-head temperature scales the keys. Under CUDA autocast the norm runs in
         # fp32 and so would the products; cast back to the compute dtype q and k had, so that RoPE, the cache and
