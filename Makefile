@@ -4,7 +4,7 @@
 #   make setup TORCH_SPEC="..."     choose the torch to install when .venv has none (GPU builds)
 #   make train [CONFIG=...]         train the tiny model on the built-in corpus (CPU)
 #   make test [PYTEST_ARGS=...]     run the fast test suite
-#   make bench                      run the benchmarks (moe_block, data_loader, muon, checkpoint)
+#   make bench                      run the benchmarks (moe_block, data_loader, muon, checkpoint, router_ablation)
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -43,6 +43,7 @@ bench: setup
 	$(PY) benchmarks/data_loader.py
 	$(PY) benchmarks/muon.py
 	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/router_ablation.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -189,7 +189,7 @@ def run_once(kind: str, module: torch.nn.Module, inputs: dict[str, torch.Tensor]
     ctx = torch.autocast(h.device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     with ctx:
         if kind == "ours":
-            out, latent, _ = module(h, prev)
+            out, latent, _, _ = module(h, prev)
         else:
             out, latent = module(h, prev)
     torch.autograd.backward([out, latent], [inputs["grad_out"].to(out.dtype),

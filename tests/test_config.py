@@ -38,7 +38,6 @@ def test_unknown_table_suggests_the_nearest(tmp_path):
     ("head_dim = 33", "head_dim", "even for RoPE"),
     ("top_k = 17", "top_k", "must not exceed num_experts"),
     ('attention = "mha"\nnum_kv_heads = 2', "num_kv_heads", "must equal num_query_heads"),
-    ("num_kv_heads = 1\nnum_query_heads = 4", "num_kv_heads", "must be even for CCA"),
     ("rope_fraction = 0.3", "rope_fraction", "even whole number"),
     ('router = "sinkhorn"', "router", "must be one of"),
     ("hidden_size = 0", "hidden_size", "positive"),

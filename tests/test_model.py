@@ -293,13 +293,13 @@ def test_moe_block_counts_exclude_padding():
     block = MoEBlock(cfg, 0)
     block.reset_parameters(0.1, 3)
     mask = torch.tensor([[False, True, True, True], [True, True, True, True]])
-    _, _, counts = block(torch.randn(2, 4, cfg.hidden_size), None, mask)
+    _, _, counts, _ = block(torch.randn(2, 4, cfg.hidden_size), None, mask)
     assert counts.sum() == 7 * 2
 
 
 # ----------------------------------------------------------------------------------------------- balancing
 def test_balancing_update_is_an_adam_step_on_load_error():
-    cfg = tiny_config(num_layers=2, num_experts=4, router_balance_lr=0.01)
+    cfg = tiny_config(num_layers=2, num_experts=4, router_balance_lr=0.01, router_balancing="adamw")
     model = ZayaForCausalLM(cfg)
     counts = torch.tensor([[10, 2, 2, 2, 5], [4, 4, 4, 4, 0]])
     before = [b.moe.router.balancing_biases.clone() for b in model.blocks]
@@ -315,9 +315,10 @@ def test_balancing_update_is_an_adam_step_on_load_error():
     assert imbalance[0] == pytest.approx(10 / 16 * 4)
 
 
-def test_balancing_reduces_imbalance_over_steps():
+@pytest.mark.parametrize("rule", ["adaptive", "adamw"])
+def test_balancing_reduces_imbalance_over_steps(rule):
     torch.manual_seed(0)
-    cfg = tiny_config(num_layers=1, num_experts=4, router="linear", router_balance_lr=0.02)
+    cfg = tiny_config(num_layers=1, num_experts=4, router="linear", router_balance_lr=0.02, router_balancing=rule)
     model = ZayaForCausalLM(cfg)
     with torch.no_grad():
         model.blocks[0].moe.router.proj.weight[0] += 0.5  # a router that prefers expert 0

@@ -4,6 +4,7 @@ import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from zaya.cli import main
@@ -27,7 +28,10 @@ def train_record(step, tokens, stage, *, resumed=False, layers=LAYERS, experts=E
               "tokens_per_s": 50_000.0 + 100 * step, "step_time_s": 0.5, "mfu": 0.3 + 0.001 * step, "stage": stage,
               "seq_len": 512 if stage == "pretrain" else 2048,
               "global_batch_tokens": 1000 if stage == "pretrain" else 2000, "expert_load": load,
-              "expert_load_max_over_mean": ratios, "time": 1.7e9 + step}
+              "expert_load_max_over_mean": ratios, "expert_load_cv": [0.1 * r for r in ratios],
+              "expert_load_entropy": [0.99] * layers, "router_token_entropy": [0.9 - 0.01 * step] * layers,
+              "router_flip_rate": None if step == 1 else [0.05 * (layer + 1) for layer in range(layers)],
+              "time": 1.7e9 + step}
     if skip:
         record["skip_fraction"] = skips
     if resumed:
@@ -134,7 +138,7 @@ def test_missing_file_or_no_train_records_is_a_value_error_naming_the_path(tmp_p
     assert not (tmp_path / "plots").exists()
 
 
-def test_plot_run_writes_four_pngs_into_run_dir_plots(run_dir, plotted):
+def test_plot_run_writes_every_png_into_run_dir_plots(run_dir, plotted):
     assert_pngs(plotted, run_dir / "plots")
 
 
@@ -162,3 +166,13 @@ def test_cli_plot(run_dir, tmp_path, capsys):
     assert main(["plot", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("zaya: error: ") and "nope" in err and err.count("\n") == 1
+
+
+def test_routing_columns_keep_layers_and_mark_missing_values_nan():
+    from zaya.train.plot import _layer_columns
+
+    records = [{"router_flip_rate": None}, {"router_flip_rate": [0.1, None, 0.3]}, {}, {"router_flip_rate": [0.2]}]
+    got = _layer_columns(records, "router_flip_rate")
+    assert got.shape == (4, 3)
+    assert got[1, 0] == 0.1 and got[1, 2] == 0.3 and got[3, 0] == 0.2
+    assert np.isnan(got[0]).all() and np.isnan(got[1, 1]) and np.isnan(got[2]).all() and np.isnan(got[3, 1:]).all()

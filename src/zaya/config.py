@@ -75,12 +75,25 @@ class ModelConfig:
     """ZAYA router: an extra (E+1)-th "skip" class; a token routed there gets a zero MoE output."""
     router_skip_bias_init: float = -1.0
     """Initial balancing bias of the skip class (released checkpoints: -1). It is not updated by balancing."""
+    router_balancing: str = "adaptive"
+    """How the balancing biases follow the load (docs/model.md): "adaptive" (zaya's controller: a per-expert step
+    scaled by the relative load error, halved when that error changes sign, grown while it keeps it), "adamw" (the
+    published ports' AdamW-style update, for continue-training of released checkpoints) or "none" (biases fixed)."""
+    router_balance_step: float = 1e-3
+    """Adaptive balancing: each expert's first step (probability units), and the step a reset starts from."""
+    router_balance_step_max: float = 5e-2
+    """Adaptive balancing: the largest step an expert's bias takes in one optimizer step."""
+    router_balance_step_min: float = 1e-6
+    """Adaptive balancing: the smallest step, so that a settled controller can still follow a drifting router."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of a conventional (Switch-style) load-balancing loss E * sum_e f_e * P_e added to the training loss
+    (0 = off; the ablation's baseline, usually with router_balancing = "none"). Not in ZAYA1."""
     router_balance_lr: float = 1e-3
-    """Step size of the AdamW-style balancing-bias update (unpublished; the ports' guess)."""
+    """router_balancing = "adamw": step size of the AdamW-style update (unpublished; the ports' guess)."""
     router_balance_betas: tuple[float, float] = (0.9, 0.999)
-    """Moment decay rates of the balancing-bias update."""
+    """router_balancing = "adamw": moment decay rates of the update."""
     router_balance_eps: float = 1e-8
-    """Denominator epsilon of the balancing-bias update."""
+    """router_balancing = "adamw": denominator epsilon of the update."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     residual_fp32: bool = True
@@ -133,6 +146,12 @@ class ModelConfig:
         need(self.top_k <= self.num_experts, "top_k", f"must not exceed num_experts ({self.num_experts})")
         need(self.norm_eps > 0, "norm_eps", "must be positive")
         need(self.init_std > 0, "init_std", "must be positive")
+        need(self.router_balancing in ("adaptive", "adamw", "none"), "router_balancing",
+             'must be one of "adaptive", "adamw", "none"')
+        need(0 < self.router_balance_step_min <= self.router_balance_step <= self.router_balance_step_max,
+             "router_balance_step", "needs 0 < router_balance_step_min <= router_balance_step <= "
+             f"router_balance_step_max (min {self.router_balance_step_min}, max {self.router_balance_step_max})")
+        need(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", "must be >= 0")
         need(self.router_balance_lr >= 0, "router_balance_lr", "must be >= 0")
         need(len(self.router_balance_betas) == 2 and all(0 <= b < 1 for b in self.router_balance_betas),
              "router_balance_betas", "must be two numbers in [0, 1)")
@@ -254,6 +273,9 @@ class TrainConfig:
     """Prompt of the sample generated at the end of the run ("" to skip)."""
     sample_tokens: int = resumable(200)
     """Tokens of that sample."""
+    router_probe: bool = resumable(True)
+    """Route one fixed validation sequence every step to log each layer's router flip rate and token entropy
+    (src/zaya/train/routing_probe.py; one extra forward pass of seq_len tokens per step)."""
     tensorboard: bool = resumable(False)
     """Also write TensorBoard event files to <run_dir>/tensorboard (needs the tensorboard package)."""
     run_dir: str = resumable("runs/tiny")

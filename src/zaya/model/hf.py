@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from zaya.config import ConfigError, ModelConfig, model_config_from_dict, to_dict
 from zaya.model.io import atomic_directory, build_from_state_dict, expected_shapes, read_safetensors
+from zaya.model.router import BALANCING_STATE
 from zaya.model.zaya import ZayaForCausalLM
 
 # (zaya suffix, HF suffix) for tensors inside decoder layer i: "blocks.{i}." <-> "model.layers.{i}.".
@@ -71,7 +72,7 @@ _TOP: list[tuple[str, str]] = [
     ("final_norm.weight", "model.norm.weight"),
     ("lm_head.weight", "lm_head.weight"),
 ]
-_ZAYA_ONLY = ("moe.router.balance_exp_avg", "moe.router.balance_exp_avg_sq", "moe.router.balance_step")
+_ZAYA_ONLY = tuple(f"moe.router.{name}" for name in BALANCING_STATE)
 _LAYER = re.compile(r"^blocks\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _TO_HF = dict(_RENAMES)
@@ -253,11 +254,8 @@ def zaya_state_dict_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
             state[hf_to_zaya_name(name)] = tensor
         except KeyError:
             raise ValueError(f"{source}: unexpected tensor {name!r}; it has no place in the zaya layout") from None
-    # zaya-only router state: balancing moment estimates start at zero on import.
-    for i in range(cfg.num_layers):
-        state[f"blocks.{i}.moe.router.balance_exp_avg"] = torch.zeros(cfg.num_experts)
-        state[f"blocks.{i}.moe.router.balance_exp_avg_sq"] = torch.zeros(cfg.num_experts)
-        state[f"blocks.{i}.moe.router.balance_step"] = torch.zeros(())
+    # zaya-only router state (the balancing rule's memory) is not in this layout: build_from_state_dict starts it
+    # afresh, from the imported biases.
     return state
 
 

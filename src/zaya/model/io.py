@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from zaya.config import ModelConfig, model_config_from_dict, to_dict
 from zaya.fsutil import atomic_directory
+from zaya.model.router import BALANCING_STATE, initial_balancing_state
 from zaya.model.zaya import ZayaForCausalLM
 
 ZAYA_META = "zaya.json"
@@ -54,6 +55,7 @@ def build_from_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], sour
     with torch.device("meta"):
         model = ZayaForCausalLM(cfg)
     want = model.state_dict()
+    state = _with_balancing_state(cfg, state, want)
     missing = [k for k in want if k not in state]
     if missing:
         raise ValueError(f"{source}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
@@ -73,6 +75,17 @@ def build_from_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], sour
     model.rope.inv_freq = torch.empty_like(model.rope.inv_freq, device="cpu")
     model.rope.reset_parameters()
     return model
+
+
+def _with_balancing_state(cfg: ModelConfig, state: dict[str, torch.Tensor],
+                          want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` plus, for files written before a balancing rule's state existed, that state as a fresh router has
+    it (it is the rule's memory, not a weight: the rule starts afresh from the stored biases)."""
+    absent = [k for k in want if k not in state and k.rsplit(".", 1)[-1] in BALANCING_STATE]
+    if not absent:
+        return state
+    fresh = initial_balancing_state(cfg)
+    return {**state, **{k: fresh[k.rsplit(".", 1)[-1]].clone() for k in absent}}
 
 
 def _keeps_fp32(name: str) -> bool:

@@ -274,30 +274,48 @@ class Experts(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router + experts. Returns the MoE output, the router latent for the next layer and per-class token counts."""
+    """Router + experts. Returns the MoE output, the router latent for the next layer, per-class token counts and,
+    when ``router_aux_loss_coef`` > 0, the layer's auxiliary load-balancing loss."""
 
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.router = build_router(cfg, layer_index)
         self.experts = Experts(cfg)
         self.num_classes = self.router.num_classes
+        self.aux_loss = cfg.router_aux_loss_coef > 0
 
-    def forward(self, h: torch.Tensor, prev_latent: torch.Tensor | None,
-                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """h [B, T, D]; token_mask [B, T] (False = padding, left out of the counts)."""
+    def forward(self, h: torch.Tensor, prev_latent: torch.Tensor | None, token_mask: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """h [B, T, D]; token_mask [B, T] (False = padding, left out of the counts and the auxiliary loss)."""
         routing = self.router(h, prev_latent)
         b, t, d = h.shape
         chosen = routing.experts.reshape(b * t, -1)
         out = self.experts(h.reshape(b * t, d), chosen, routing.weights.reshape(b * t, -1))
         # Counts on the device: a scatter-add of one per assignment (zero for padding); no bincount, no mask indexing.
         flat = chosen.reshape(-1)
-        if token_mask is None:
-            ones = torch.ones_like(flat)
-        else:
-            ones = token_mask.reshape(-1, 1).expand_as(chosen).reshape(-1).to(flat.dtype)
+        valid = None if token_mask is None else token_mask.reshape(-1, 1).to(torch.float32)
+        ones = torch.ones_like(flat) if valid is None else valid.expand_as(chosen).reshape(-1).to(flat.dtype)
         counts = torch.zeros(self.num_classes, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, ones)
-        return out.view(b, t, d), routing.latent, counts
+        aux = None
+        if self.aux_loss and torch.is_grad_enabled():
+            aux = switch_balancing_loss(routing.probs.reshape(b * t, -1), counts, self.router.num_experts, valid)
+        return out.view(b, t, d), routing.latent, counts, aux
 
     def reset_parameters(self, std: float, num_layers: int) -> None:
         self.router.reset_parameters()
         self.experts.reset_parameters(std, std / math.sqrt(2 * num_layers))
+
+
+def switch_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, num_experts: int,
+                          valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The conventional auxiliary load-balancing loss (Switch Transformer): E * sum_e f_e * P_e over the real
+    experts, f_e the share of the layer's assignments that went to expert e (counts, no gradient) and P_e the mean
+    router probability of e over the tokens; 1.0 when both are uniform. ``probs`` [N, classes]; ``valid`` [N, 1]
+    (1 = a real token) leaves padding out of P_e as the counts already leave it out of f_e."""
+    real = counts[:num_experts].to(probs.dtype)
+    f = real / counts.sum().clamp(min=1).to(probs.dtype)
+    if valid is None:
+        mean_probs = probs[:, :num_experts].mean(0)
+    else:
+        mean_probs = (probs[:, :num_experts] * valid).sum(0) / valid.sum().clamp(min=1)
+    return num_experts * (f * mean_probs).sum()

@@ -48,6 +48,10 @@ class ZayaOutput:
     """Mean cross-entropy over labels != -100, when labels were given."""
     tokens_per_expert: torch.Tensor | None = None
     """[num_layers, router classes] tokens routed to each expert (last column: skip), padding excluded."""
+    aux_loss: torch.Tensor | None = None
+    """``router_aux_loss_coef`` times the sum over layers of the auxiliary load-balancing loss (training with
+    gradients only; None when the coefficient is 0). Not part of ``loss``: the trainer adds it to what it
+    differentiates, so logged and validation losses stay the language-model loss."""
     state: DecodeState | None = field(default=None, repr=False)
     """The decode state passed in, advanced past this call's tokens."""
 
@@ -67,19 +71,19 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, prev_latent: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 token_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, cache: AttentionCache | None,
-                cache_start: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                cache_start: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         h = self.attn_norm(x.to(self.attn_norm.weight.dtype))
         a = self.attention(h, cos, sin, token_mask, attn_mask, cache, cache_start)
         x = self._join(self.attn_residual(a, x))
         h = self.moe_norm(x.to(self.moe_norm.weight.dtype))
-        m, latent, counts = self.moe(h, prev_latent, token_mask)
+        m, latent, counts, aux = self.moe(h, prev_latent, token_mask)
         x = self._join(self.moe_residual(m, x))
         if latent is not None and latent._is_view():
             # A block's outputs cross FSDP2 unit boundaries, and FSDP2 warns about (and can lose the backward hook
             # of) an output that is a view; the first layer's latent is the down projection's reshaped output.
             # The copy is [B, T, router_hidden_size], small next to the residual stream.
             latent = latent.clone()
-        return x, latent, counts
+        return x, latent, counts, aux
 
     def _join(self, x: torch.Tensor) -> torch.Tensor:
         return x.float() if self.residual_fp32 else x.to(self.attn_norm.weight.dtype)
@@ -174,11 +178,13 @@ class ZayaForCausalLM(nn.Module):
         x = x.float() if self.config.residual_fp32 else x
 
         latent = None
-        counts = []
+        counts, aux_losses = [], []
         for i, block in enumerate(self.blocks):
             cache = None if state is None else state.caches[i]
-            x, latent, c = block(x, latent, cos, sin, token_mask, attn_mask, cache, start)
+            x, latent, c, aux = block(x, latent, cos, sin, token_mask, attn_mask, cache, start)
             counts.append(c)
+            if aux is not None:
+                aux_losses.append(aux)
         if state is not None:
             state.length = start + t
 
@@ -191,7 +197,9 @@ class ZayaForCausalLM(nn.Module):
             if logits_to_keep > 0:
                 labels = labels[:, -logits_to_keep:]
             loss = cross_entropy(logits, labels)
-        return ZayaOutput(logits=logits, loss=loss, tokens_per_expert=torch.stack(counts), state=state)
+        aux_loss = self.config.router_aux_loss_coef * torch.stack(aux_losses).sum() if aux_losses else None
+        return ZayaOutput(logits=logits, loss=loss, tokens_per_expert=torch.stack(counts), aux_loss=aux_loss,
+                          state=state)
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
         """Raise ValueError, naming the offending id, if ``input_ids`` holds an id outside [0, vocab_size).

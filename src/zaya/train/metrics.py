@@ -8,6 +8,7 @@ line being written; ``zaya plot`` skips a torn last line). Records have ``kind``
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -54,16 +55,28 @@ def device_peak_flops(device: torch.device, configured: float = 0.0) -> tuple[fl
 
 
 def expert_load_stats(counts: list[list[float]], num_experts: int) -> dict[str, Any]:
-    """From global per-layer router-class counts (host numbers, [layers][classes]): each class's share of a layer's
-    tokens, the busiest expert's load over the mean, and the skip class's share (0 without one)."""
-    load, over_mean, skip = [], [], []
+    """From global per-layer router-class counts (host numbers, [layers][classes]), per layer: each class's share of
+    the layer's tokens, the busiest expert's load over the mean, the coefficient of variation of the experts' loads
+    (std / mean), the entropy of the load distribution over the experts divided by log(experts) (1 = even), and
+    the skip class's share (0 without one). A layer whose experts got no tokens gets None for the expert figures."""
+    load, over_mean, cv, entropy, skip = [], [], [], [], []
     for row in counts:
         total = max(sum(row), 1)
         load.append([round(x / total, 5) for x in row])
         real = row[:num_experts]
-        over_mean.append(round(max(real) / max(sum(real) / len(real), 1e-12), 4))
+        routed = sum(real)
         skip.append(round(sum(row[num_experts:]) / total, 5))
-    return {"expert_load": load, "expert_load_max_over_mean": over_mean, "skip_fraction": skip}
+        if routed <= 0:
+            over_mean.append(None), cv.append(None), entropy.append(None)
+            continue
+        mean = routed / len(real)
+        over_mean.append(round(max(real) / mean, 4))
+        cv.append(round(math.sqrt(sum((x - mean) ** 2 for x in real) / len(real)) / mean, 4))
+        shares = [x / routed for x in real if x > 0]
+        entropy.append(round(abs(sum(q * math.log(q) for q in shares)) / math.log(len(real)), 4) if len(real) > 1
+                       else 1.0)
+    return {"expert_load": load, "expert_load_max_over_mean": over_mean, "expert_load_cv": cv,
+            "expert_load_entropy": entropy, "skip_fraction": skip}
 
 
 def _drop_torn_line(path: Path) -> None:
@@ -170,6 +183,6 @@ class Progress:
 
 
 def format_step(r: dict[str, Any], total: int) -> str:
-    load = max(r.get("expert_load_max_over_mean") or [float("nan")])
+    load = max((x for x in r.get("expert_load_max_over_mean") or [] if x is not None), default=float("nan"))
     return (f"step {r['step']:>6}/{total}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad {r['grad_norm']:.3f}  "
             f"{r['tokens_per_s']:,.0f} tok/s  mfu {100 * r['mfu']:.1f}%  load {load:.2f}  [{r['stage']}]")

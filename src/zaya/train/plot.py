@@ -9,7 +9,9 @@ The trainer appends one JSON object per line, ``{"kind": "train", ...}`` after l
   that kind with step >= it are dropped, so the latest write wins;
 * lines of another ``kind`` (or none) are ignored, so the trainer may add record kinds without breaking this.
 
-``plot_run`` writes ``loss.png``, ``lr.png``, ``throughput.png`` and ``expert_load.png``. It draws on Agg figures
+``plot_run`` writes ``loss.png``, ``lr.png``, ``throughput.png``, ``expert_load.png`` (the heatmap of each
+router class's share per step) and ``routing.png`` (per layer: max/mean load, its coefficient of variation, the
+load entropy, the probe's flip rate and token entropy, the skip share). It draws on Agg figures
 made here (``matplotlib.figure.Figure`` + ``FigureCanvasAgg``) and never touches pyplot, so it neither needs a
 display nor changes the backend of a program that imports it. Each PNG is rendered in memory and written atomically
 (temporary sibling, then ``os.replace``).
@@ -30,7 +32,7 @@ from zaya.fsutil import atomic_write_bytes
 
 METRICS_FILE = "metrics.jsonl"
 PLOTS_SUBDIR = "plots"
-PLOT_FILES = ("loss.png", "lr.png", "throughput.png", "expert_load.png")
+PLOT_FILES = ("loss.png", "lr.png", "throughput.png", "expert_load.png", "routing.png")
 
 _DPI = 110
 _MAX_HEATMAP_COLUMNS = 300  # time bins per expert-load panel; longer runs are averaged into this many
@@ -97,7 +99,7 @@ def _clip(raw: bytes, limit: int = 80) -> str:
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write loss/lr/throughput/expert-load PNGs of a run to ``out_dir`` (default ``<run_dir>/plots``).
+    """Write loss/lr/throughput/expert-load/routing PNGs of a run to ``out_dir`` (default ``<run_dir>/plots``).
 
     Returns the written paths in the order of ``PLOT_FILES``. A metric the run never logged gives a figure that says
     so, so a directory of plots never mixes in stale files of an earlier run. ``ValueError`` (naming the path) when
@@ -115,7 +117,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
 
     run = _Run(train, val, name=_run_name(run_dir))
     makers = {"loss.png": _plot_loss, "lr.png": _plot_lr, "throughput.png": _plot_throughput,
-              "expert_load.png": _plot_expert_load}
+              "expert_load.png": _plot_expert_load, "routing.png": _plot_routing}
     written = []
     for name in PLOT_FILES:
         fig = makers[name](run)
@@ -523,4 +525,55 @@ def _plot_expert_load(run: _Run) -> Any:
     bar.ax.tick_params(labelsize=7)
     uniform = f", uniform = 1/{num_experts} = {1 / num_experts:.3f}" if num_experts else ""
     fig.suptitle(run.title("expert load per layer (router class x step)") + uniform, fontsize=11)
+    return fig
+
+
+# Per-layer routing figures of ``routing.png``: (record key, panel title, y-axis label, reference line or None).
+_ROUTING_PANELS = (
+    ("expert_load_max_over_mean", "busiest expert's load / mean", "max / mean", 1.0),
+    ("expert_load_cv", "coefficient of variation of the loads", "std / mean", 0.0),
+    ("expert_load_entropy", "entropy of the load over experts", "H / log E", 1.0),
+    ("router_flip_rate", "flip rate (probe tokens whose top choice changed)", "share", 0.0),
+    ("router_token_entropy", "router entropy per token (probe)", "H / log classes", None),
+    ("skip_fraction", "skip share", "share", None),
+)
+
+
+def _layer_columns(records: Sequence[dict[str, Any]], key: str) -> np.ndarray:
+    """[records, layers] of a per-layer list field; NaN where a record lacks it or a layer's value is null."""
+    width = max((len(r[key]) for r in records if isinstance(r.get(key), list)), default=0)
+    out = np.full((len(records), width), np.nan)
+    for i, record in enumerate(records):
+        values = record.get(key)
+        if isinstance(values, list):
+            out[i, :len(values)] = [v if isinstance(v, (int, float)) and not isinstance(v, bool) else np.nan
+                                    for v in values]
+    return out
+
+
+def _plot_routing(run: _Run) -> Any:
+    """One panel per routing-health figure, one line per MoE layer, against the step."""
+    fig = _figure(13, 6.5)
+    axes = fig.subplots(2, 3, squeeze=False).ravel()
+    steps = run.step
+    for ax, (key, title, ylabel, reference) in zip(axes, _ROUTING_PANELS):
+        ax.set_title(title, fontsize=9)
+        values = _layer_columns(run.train, key)
+        if not np.isfinite(values).any():
+            _no_data(ax, f"no '{key}' in the train records")
+            continue
+        for layer in range(values.shape[1]):
+            ax.plot(steps, values[:, layer], linewidth=0.9, label=f"layer {layer}")
+        if reference is not None:
+            ax.axhline(reference, color="0.3", linestyle=":", linewidth=1.0)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, alpha=0.3)
+        _draw_stages(ax, run, x=steps, label=False)
+    handles, labels = next(((a.get_legend_handles_labels()) for a in axes if a.get_legend_handles_labels()[0]),
+                           ([], []))
+    if handles:
+        fig.legend(handles[:12], labels[:12], loc="outside right upper", fontsize=7)
+    fig.suptitle(run.title("routing health per MoE layer"), fontsize=11)
     return fig

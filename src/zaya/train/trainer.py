@@ -37,10 +37,12 @@ from zaya.device import autocast
 from zaya.dist.runtime import Runtime, collective_error, start, stop
 from zaya.errors import CheckpointError, NonFiniteLossError
 from zaya.model import update_balancing_biases
+from zaya.model.router import routers_of
 from zaya.optim.build import peak_lrs, set_lr
 from zaya.train.callbacks import Callback, MetricsFile, Plots, ProgressDisplay, Sample
 from zaya.train.run_dir import CHECKPOINTS, METRICS_FILE, TOKENIZER_FILE, prepare_run_dir
 from zaya.train.schedule import Schedule, stage_at
+from zaya.train.routing_probe import RoutingProbe, probe_sequence
 from zaya.train.state import Progress, RNGState
 
 
@@ -98,6 +100,11 @@ class Trainer:
         self._flops_per_token: dict[int, float] = {}
         mc = config.model
         self._count_shape = (mc.num_layers, mc.num_router_classes)
+        self._counts_end = 4 + math.prod(self._count_shape)  # totals: 4 scalars, the counts, then the probe's values
+        self.probe: RoutingProbe | None = None
+        if config.train.router_probe:
+            ids = probe_sequence(next(iter(datasets.values())), schedule.stages[0].seq_len, runtime.device)
+            self.probe = None if ids is None else RoutingProbe(ids, mc.num_layers)
         self.peak_flops, self.peak_source = 0.0, ""
 
     # --- assembly ------------------------------------------------------------------------------------------
@@ -261,7 +268,9 @@ class Trainer:
         _set_rope_theta(model, plan.rope_theta)
         set_lr(self.optimizers, self.peaks, plan.lr_factor)
         global_targets = sum(b.global_targets for b in batches)
-        totals = torch.zeros(4 + math.prod(self._count_shape), dtype=torch.float64, device=rt.device)
+        probe_values = 0 if self.probe is None else self.probe.num_values
+        totals = torch.zeros(self._counts_end + probe_values, dtype=torch.float64, device=rt.device)
+        counts_slot = totals[4:self._counts_end]
         for i, batch in enumerate(batches):
             inputs = rt.to_device(batch.input_ids)
             labels = rt.to_device(batch.labels)
@@ -270,9 +279,16 @@ class Trainer:
                 out = self.parallel.module(inputs, labels=labels, position_ids=positions)
                 # d(global mean)/d(this rank's mean): its share of the step's targets, times dp (the gradient
                 # reduction averages over the data-parallel ranks).
-                (out.loss / (global_targets / (batch.num_targets * rt.dp_size))).backward()
+                objective = out.loss / (global_targets / (batch.num_targets * rt.dp_size))
+                if out.aux_loss is not None:  # a per-micro-batch mean, averaged like the gradients
+                    objective = objective + out.aux_loss / len(batches)
+                objective.backward()
             totals[0] += out.loss.detach().double() * batch.num_targets
-            totals[4:] += out.tokens_per_expert.detach().flatten()
+            counts_slot += out.tokens_per_expert.detach().flatten()
+        probe_compared = False
+        if self.probe is not None:  # before the updates: this step's routing against the previous step's
+            totals[self._counts_end:], probe_compared = self.probe.measure(model,
+                                                                           routers_of(model), self.autocast)
         totals[1] = sum(b.num_targets for b in batches)
         totals[2] = float(self.stop_request.requested)
         totals[3] = float(self.store.poll_failed())
@@ -282,6 +298,8 @@ class Trainer:
         loss, norm = values[0] / values[1], values[-1]
         counts = [values[4 + r * self._count_shape[1]: 4 + (r + 1) * self._count_shape[1]]
                   for r in range(self._count_shape[0])]
+        # Every rank routed the same probe, so the reduction summed world_size equal values.
+        probe = [v / rt.world_size for v in values[self._counts_end:-1]]
         self.stop_request.requested = values[2] > 0
         self._checkpoint_failed = values[3] > 0
         consumed = sum(b.global_tokens for b in batches)
@@ -295,9 +313,14 @@ class Trainer:
         # owns, and a stale gradient elsewhere would skew the next step's clipping norm.
         model.zero_grad(set_to_none=True)
         self.parallel.after_step()
-        update_balancing_biases(model, totals[4:].view(self._count_shape))
+        update_balancing_biases(model, counts_slot.view(self._count_shape))
         p.step += 1
-        return self._record(plan, loss, norm, counts, consumed, time.perf_counter() - t0)
+        record = self._record(plan, loss, norm, counts, consumed, time.perf_counter() - t0)
+        if probe:
+            layers = self._count_shape[0]
+            record["router_flip_rate"] = [round(v, 5) for v in probe[:layers]] if probe_compared else None
+            record["router_token_entropy"] = [round(v, 5) for v in probe[layers:]]
+        return record
 
     def _read_micro_batches(self, n: int) -> list | None:
         batches = []
