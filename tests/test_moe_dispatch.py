@@ -216,7 +216,7 @@ def test_moe_block_counts_match_bincount_without_padding():
     chosen = block.router(h, None).experts
     for token_mask in (None, mask):
         with HostReads() as reads:
-            _, _, counts = block(h, None, token_mask)
+            _, _, counts, _ = block(h, None, token_mask)
         assert reads.total == 0, reads.report()
         kept = chosen.reshape(-1, 2) if token_mask is None else chosen[token_mask]
         assert counts.dtype == torch.int64

@@ -299,7 +299,7 @@ def load_hf(directory: str | Path, dtype: torch.dtype | None = None) -> ZayaForC
     check_hf_tensors(tensors, cfg, source)
     state = zaya_state_dict_from_hf(tensors, cfg, source)
     for name, tensor in extras.items():
-        if name not in state:
+        if name not in state and name.rsplit(".", 1)[-1] not in BALANCING_STATE:
             raise ValueError(f"{extras_path}: unexpected tensor {name!r}")
         state[name] = tensor
     model = build_from_state_dict(cfg, state, source, dtype)
