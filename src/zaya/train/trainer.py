@@ -271,6 +271,11 @@ class Trainer:
         probe_values = 0 if self.probe is None else self.probe.num_values
         totals = torch.zeros(self._counts_end + probe_values, dtype=torch.float64, device=rt.device)
         counts_slot = totals[4:self._counts_end]
+        probe_compared = False
+        if self.probe is not None:
+            # First, with the weights and biases the last step left (and before any backward: FSDP2 wants no
+            # forward between a backward and the optimizer step); compared with the previous step's probe.
+            totals[self._counts_end:], probe_compared = self.probe.measure(model, routers_of(model), self.autocast)
         for i, batch in enumerate(batches):
             inputs = rt.to_device(batch.input_ids)
             labels = rt.to_device(batch.labels)
@@ -285,10 +290,6 @@ class Trainer:
                 objective.backward()
             totals[0] += out.loss.detach().double() * batch.num_targets
             counts_slot += out.tokens_per_expert.detach().flatten()
-        probe_compared = False
-        if self.probe is not None:  # before the updates: this step's routing against the previous step's
-            totals[self._counts_end:], probe_compared = self.probe.measure(model,
-                                                                           routers_of(model), self.autocast)
         totals[1] = sum(b.num_targets for b in batches)
         totals[2] = float(self.stop_request.requested)
         totals[3] = float(self.store.poll_failed())
