@@ -17,6 +17,12 @@ CCA (Compressed Convolutional Attention, arXiv 2510.04476) as ZAYA1 uses it, per
 Padding tokens are zeroed before the projections so that they reach neither the convolutions nor the value shift.
 For decoding, ``AttentionCache`` holds the KV cache plus the convolution state (the last raw q/k positions) and the
 previous token's delayed value projection, so step-by-step decoding reproduces the full forward pass exactly.
+
+**The sequence seam.** What an attention layer needs from outside its own tokens goes through a ``SequenceSeam``:
+the global index of each local token (RoPE and document masks use it), the CCA boundary (the raw q/k rows and the
+delayed value just before the local tokens) and the attention over keys that may live elsewhere. ``LocalSequence``,
+the default, has the whole sequence in the call. Context parallelism (``zaya.dist.context_parallel``) installs one
+that exchanges the boundary and the keys with the other ranks; this package never imports the distributed one.
 """
 
 from __future__ import annotations
@@ -53,6 +59,69 @@ def _scaled_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     group, without the copies and their backward sums (SDPA picks a kernel that takes it; flash attention does)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+class SequenceSeam:
+    """How one forward pass's tokens sit in the full sequence, and how attention reaches the rest of it.
+
+    ``LocalSequence`` is the whole sequence in one call; context parallelism subclasses it. An implementation must
+    be exact: the model's output on its tokens equals the full-sequence model's on the same tokens."""
+
+    def global_index(self, t: int, device: torch.device) -> torch.Tensor:
+        """[T] int64: each local token's index in the full sequence (default RoPE positions; document masks)."""
+        raise NotImplementedError
+
+    def boundary(self, packed: torch.Tensor, delayed: torch.Tensor,
+                 reach: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CCA history of this call's tokens, from its ``packed`` [B, C, T] raw [q; k] rows and ``delayed``
+        [B, T, W] value projections: the ``reach`` raw rows before each local run of tokens and the delayed value
+        of the token before it, zeros at the sequence start. Its layout is the seam's own (``convolve`` and
+        ``shift_values`` consume it): ``LocalSequence``'s is [B, C, reach] and [B, 1, W]."""
+        raise NotImplementedError
+
+    def convolve(self, conv, packed: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """The causal convolutions over ``packed`` [B, C, T] given its ``history``; [B, C, T]."""
+        return conv(torch.cat((history, packed), dim=-1))
+
+    def shift_values(self, delayed: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Each token's previous token's delayed value projection, [B, T, W]."""
+        return torch.cat((first, delayed[:, :-1]), dim=1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               documents: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention of the local queries [B, Hq, T, D] over every key they may see; ``k``/``v`` are the
+        local keys [B, Hkv, T, D]. ``documents`` [B, T] (or None): the global index of each token's document start;
+        a query sees only keys of its own document."""
+        raise NotImplementedError
+
+
+class LocalSequence(SequenceSeam):
+    """Every token of the sequence is in this call (one process, or data parallelism)."""
+
+    def global_index(self, t: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(t, device=device)
+
+    def boundary(self, packed, delayed, reach):
+        return packed.new_zeros(packed.shape[0], packed.shape[1], reach), delayed.new_zeros(
+            delayed.shape[0], 1, delayed.shape[-1])
+
+    def attend(self, q, k, v, documents):
+        if documents is None:
+            return _scaled_dot_product(q, k, v, None, causal=True)
+        return _scaled_dot_product(q, k, v, document_mask(documents, documents, causal=True), causal=False)
+
+
+LOCAL_SEQUENCE = LocalSequence()
+
+
+def document_mask(q_documents: torch.Tensor, k_documents: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[B, 1, Tq, Tk] bool: a query may see a key of its own document (and, if ``causal``, only an earlier one:
+    for queries and keys that are the same local run of tokens)."""
+    mask = q_documents[:, None, :, None] == k_documents[:, None, None, :]
+    if causal:
+        tq, tk = q_documents.shape[1], k_documents.shape[1]
+        mask = mask & torch.ones(tq, tk, dtype=torch.bool, device=mask.device).tril()
+    return mask
 
 
 def cca_value(v_current: torch.Tensor, v_previous: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -94,6 +163,7 @@ class Attention(nn.Module):
         else:
             self.v_proj = nn.Linear(d, kv_width, bias=False)
         self.o_proj = nn.Linear(q_width, d, bias=False)
+        self.seam: SequenceSeam = LOCAL_SEQUENCE
 
     # ----------------------------------------------------------------------------------------------- projections
     def _cca_qkv(self, x: torch.Tensor, cache: AttentionCache | None) -> tuple[torch.Tensor, ...]:
@@ -119,21 +189,16 @@ class Attention(nn.Module):
         packed = qk.transpose(1, 2)  # [B, C, T]: q then k channels
         if cache is not None:
             history = cache.conv_state.to(packed.dtype)
-        else:
-            history = packed.new_zeros(b, packed.shape[1], self.conv_reach)
-        packed = torch.cat((history, packed), dim=-1)
-        if cache is not None:
-            cache.conv_state = packed[..., packed.shape[-1] - self.conv_reach:].detach().clone()
-        mixed_q, mixed_k = self.conv_grouped(self.conv_depthwise(packed)).transpose(1, 2).split((qw, kw), dim=-1)
-        q = mixed_q.view(b, t, hq, hd) + q_mean
-        k = mixed_k.view(b, t, hk, hd) + k_mean
-
-        if cache is not None:
             first = cache.value_state.to(v_delayed.dtype)[:, None]
+            cache.conv_state = torch.cat((history, packed), dim=-1)[..., -self.conv_reach:].detach().clone()
             cache.value_state = v_delayed[:, -1].detach().clone()
         else:
-            first = v_delayed.new_zeros(b, 1, v_delayed.shape[-1])
-        v = cca_value(v_current, torch.cat((first, v_delayed[:, :-1]), dim=1), hk, hd)
+            history, first = self.seam.boundary(packed, v_delayed, self.conv_reach)
+        mixed = self.seam.convolve(self._convolutions, packed, history)
+        mixed_q, mixed_k = mixed.transpose(1, 2).split((qw, kw), dim=-1)
+        q = mixed_q.view(b, t, hq, hd) + q_mean
+        k = mixed_k.view(b, t, hk, hd) + k_mean
+        v = cca_value(v_current, self.seam.shift_values(v_delayed, first), hk, hd)
 
         # QK-norm to length sqrt(d); the per-KV-head temperature scales the keys. Under CUDA autocast the norm runs in
         # fp32 and so would the products; cast back to the compute dtype q and k had, so that RoPE, the cache and
@@ -144,6 +209,10 @@ class Attention(nn.Module):
         q = (q * (scale / q.norm(dim=-1, keepdim=True).clamp_min(eps))).to(dtype)
         k = (k * (scale / k.norm(dim=-1, keepdim=True).clamp_min(eps)) * self.temperature.to(dtype)[:, None]).to(dtype)
         return q, k, v
+
+    def _convolutions(self, packed: torch.Tensor) -> torch.Tensor:
+        """Both causal convolutions over [B, C, reach + T] (history first); [B, C, T]."""
+        return self.conv_grouped(self.conv_depthwise(packed))
 
     def _plain_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         b, t, _ = x.shape
@@ -163,6 +232,7 @@ class Attention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         cache: AttentionCache | None = None,
         cache_start: int = 0,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend over ``x`` [B, T, D].
 
@@ -171,6 +241,8 @@ class Attention(nn.Module):
             cache) or over everything cached (single-token decode).
         cache: decode state; this call's keys/values are written at ``cache_start`` and attention covers
             ``[0, cache_start + T)``.
+        documents: [B, T] global index of each token's document start, or None: attention stays inside a
+            document (no cache, no attn_mask).
         """
         if token_mask is not None and self.kind == "cca":
             x = x * token_mask[..., None].to(x.dtype)
@@ -190,7 +262,15 @@ class Attention(nn.Module):
             v = cache.values[:, :, :end].to(q.dtype)
             if attn_mask is None and x.shape[1] > 1:
                 raise ValueError("multi-token forward with a cache needs an explicit attn_mask")
-        out = _scaled_dot_product(q, k, v, attn_mask, causal)
+        if cache is None and attn_mask is None:
+            out = self.seam.attend(q, k, v, documents)
+        else:
+            if self.seam is not LOCAL_SEQUENCE:
+                raise ValueError("a decode cache or a padding mask needs the local sequence seam (context "
+                                 "parallelism covers training forwards without padding)")
+            if documents is not None:
+                raise ValueError("document masks need a forward without a decode cache or padding mask")
+            out = _scaled_dot_product(q, k, v, attn_mask, causal)
         return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> AttentionCache:

@@ -71,9 +71,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, prev_latent: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 token_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, cache: AttentionCache | None,
-                cache_start: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+                cache_start: int, documents: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         h = self.attn_norm(x.to(self.attn_norm.weight.dtype))
-        a = self.attention(h, cos, sin, token_mask, attn_mask, cache, cache_start)
+        a = self.attention(h, cos, sin, token_mask, attn_mask, cache, cache_start, documents)
         x = self._join(self.attn_residual(a, x))
         h = self.moe_norm(x.to(self.moe_norm.weight.dtype))
         m, latent, counts, aux = self.moe(h, prev_latent, token_mask)
@@ -101,6 +102,8 @@ class ZayaForCausalLM(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.final_norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.activation_checkpointing = False
+        """Recompute each block's activations in the backward (``train.activation_checkpointing``)."""
         self.reset_parameters()
 
     # ----------------------------------------------------------------------------------------------- init
@@ -133,6 +136,7 @@ class ZayaForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         state: DecodeState | None = None,
         logits_to_keep: int = 0,
+        document_mask: bool = False,
     ) -> ZayaOutput:
         """Run the decoder.
 
@@ -141,10 +145,13 @@ class ZayaForCausalLM(nn.Module):
         attention_mask: [B, T] with 1 for real tokens and 0 for padding (left padding for batched generation).
             Padding is zeroed before the CCA convolutions, masked out as keys, and left out of router statistics.
         position_ids: [B, T] or [T]; default ``arange(T)`` offset by the decode state's length (as in the
-            Hugging Face port: attention scores depend only on position differences, so left padding is harmless).
+            Hugging Face port: attention scores depend only on position differences, so left padding is harmless);
+            under context parallelism the tokens' global indices (``sequence_seam``).
         labels: [B, T] next-token targets aligned with input positions (-100 = ignore) -> ``loss``.
         state: a ``DecodeState`` from ``new_state`` to continue from; it is advanced in place.
         logits_to_keep: if > 0, compute logits only for the last this-many positions.
+        document_mask: attention stays inside each packed document, a document being a run of tokens whose
+            ``position_ids`` count up from 0 (``data.document_positions``); needs position_ids, no state, no mask.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -169,10 +176,20 @@ class ZayaForCausalLM(nn.Module):
             state.key_valid[:, start:start + t] = True if token_mask is None else token_mask
             state.has_padding = state.has_padding or token_mask is not None
 
+        seam = self.blocks[0].attention.seam
         if position_ids is None:
-            position_ids = torch.arange(start, start + t, device=device)[None]
+            if state is not None:
+                position_ids = torch.arange(start, start + t, device=device)[None]
+            else:
+                position_ids = seam.global_index(t, device)[None]
         elif position_ids.dim() == 1:
             position_ids = position_ids[None]
+        documents = None
+        if document_mask:
+            if state is not None or token_mask is not None:
+                raise ValueError("document_mask needs a forward without a decode state or attention_mask")
+            # A document starts where the positions restart: its start's global index is index - position.
+            documents = (seam.global_index(t, device)[None] - position_ids).expand(b, t)
         x = self.input_affine(self.embed(input_ids))
         cos, sin = self.rope.cos_sin(position_ids)
         x = x.float() if self.config.residual_fp32 else x
@@ -181,7 +198,8 @@ class ZayaForCausalLM(nn.Module):
         counts, aux_losses = [], []
         for i, block in enumerate(self.blocks):
             cache = None if state is None else state.caches[i]
-            x, latent, c, aux = block(x, latent, cos, sin, token_mask, attn_mask, cache, start)
+            x, latent, c, aux = self._run_block(block, x, latent, cos, sin, token_mask, attn_mask, cache, start,
+                                                documents)
             counts.append(c)
             if aux is not None:
                 aux_losses.append(aux)
@@ -200,6 +218,27 @@ class ZayaForCausalLM(nn.Module):
         aux_loss = self.config.router_aux_loss_coef * torch.stack(aux_losses).sum() if aux_losses else None
         return ZayaOutput(logits=logits, loss=loss, tokens_per_expert=torch.stack(counts), aux_loss=aux_loss,
                           state=state)
+
+    def _run_block(self, block: Block, x, latent, cos, sin, token_mask, attn_mask, cache, start, documents):
+        """One block; with ``activation_checkpointing`` on and gradients enabled, its activations are recomputed in
+        the backward instead of kept (non-reentrant checkpointing; the block is deterministic, the routers'
+        statistics come from the forward only)."""
+        if self.activation_checkpointing and torch.is_grad_enabled() and cache is None:
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(block, x, latent, cos, sin, token_mask, attn_mask, None, start, documents,
+                              use_reentrant=False)
+        return block(x, latent, cos, sin, token_mask, attn_mask, cache, start, documents)
+
+    def set_sequence_seam(self, seam) -> None:
+        """Install a ``zaya.model.attention.SequenceSeam`` in every attention layer (context parallelism);
+        ``LOCAL_SEQUENCE`` puts the default back."""
+        for block in self.blocks:
+            block.attention.seam = seam
+
+    @property
+    def sequence_seam(self):
+        return self.blocks[0].attention.seam
 
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
         """Raise ValueError, naming the offending id, if ``input_ids`` holds an id outside [0, vocab_size).
