@@ -283,9 +283,19 @@ class TrainConfig:
     several nodes it must be on a filesystem they all mount (checked at start-up)."""
     device: str = resumable("auto")
     """Device of each rank: "auto" (its GPU when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N"."""
+    context_parallel: int = resumable(1)
+    """Context-parallel ranks per sequence (cp): consecutive ranks split every sequence in the zigzag layout and
+    attend across the split (docs/long-context.md); data parallelism runs over world / cp. Every stage's seq_len must
+    be a multiple of 2 x cp. Checkpoints resume at any other cp."""
+    context_parallel_method: str = resumable("allgather")
+    """How cp ranks attend across the split: "allgather" (gather every KV head, the default: CCA's K/V are small)
+    or "ring" (K/V blocks passed around the ring; memory for two blocks, not the whole sequence's K/V)."""
+    activation_checkpointing: bool = resumable(False)
+    """Recompute each block's activations in the backward instead of keeping them (long sequences: about one
+    extra forward of compute for activation memory of one block plus the block inputs)."""
 
     def __post_init__(self) -> None:
-        for key in ("max_steps", "micro_batch_size", "seq_len", "log_every"):
+        for key in ("max_steps", "micro_batch_size", "seq_len", "log_every", "context_parallel"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} = {getattr(self, key)!r}: must be a positive integer")
         for key in ("eval_every", "global_batch_tokens"):
@@ -295,6 +305,9 @@ class TrainConfig:
             raise ConfigError(f'train.dtype = {self.dtype!r}: must be "bfloat16" or "float32"')
         if self.parallel not in ("ddp", "zero1", "fsdp"):
             raise ConfigError(f'train.parallel = {self.parallel!r}: must be "ddp", "zero1" or "fsdp"')
+        if self.context_parallel_method not in ("allgather", "ring"):
+            raise ConfigError(f'train.context_parallel_method = {self.context_parallel_method!r}: must be "allgather" '
+                              'or "ring"')
         if self.on_nan not in ("stop", "skip"):
             raise ConfigError(f'train.on_nan = {self.on_nan!r}: must be "stop" or "skip"')
         if not isinstance(self.device, str) or not self.device.strip():
@@ -365,6 +378,10 @@ class StageConfig:
     """Sequences per rank per micro-batch; 0 = train.micro_batch_size."""
     rope_theta: float = 0.0
     """RoPE base during the stage; 0 = model.rope_theta (ZAYA1 raised it for the 32k phase)."""
+    context_parallel: int = 0
+    """Context-parallel ranks during the stage; 0 = train.context_parallel. A stage whose size differs from the
+    running one ends the run with a checkpoint and exit code 75 and names the size to relaunch with
+    (``--set train.context_parallel=N``): the mesh is fixed for the life of the process group."""
     weights: dict[str, float] = field(default_factory=dict)
     """Mixture weights by data.datasets name; empty = data.weights."""
 
@@ -388,6 +405,9 @@ class DataConfig:
     """Seed of the shuffle (a keyed permutation per dataset and epoch)."""
     document_positions: bool = False
     """Give the model position ids that restart at every document start."""
+    document_mask: bool = False
+    """Also keep attention inside each packed document (needs document_positions; with or without context
+    parallelism). Off: a token attends to the earlier documents of its sequence too."""
     prefetch: int = resumable(4)
     """Batches computed ahead by the loader's background thread (0: none)."""
     val_batches: int = 8
@@ -413,6 +433,9 @@ class DataConfig:
         if self.builtin_vocab_size % 64 or self.builtin_vocab_size < 320:
             raise ConfigError(f"data.builtin_vocab_size = {self.builtin_vocab_size}: must be a multiple of 64, "
                               ">= 320")
+        if self.document_mask and not self.document_positions:
+            raise ConfigError("data.document_mask = true needs data.document_positions = true (the document starts "
+                              "come from the restarting positions)")
         if self.prefetch < 0 or self.val_batches < 1:
             raise ConfigError("data.prefetch must be >= 0 and data.val_batches >= 1")
 
@@ -441,11 +464,28 @@ class Config:
                 raise ConfigError(f"stage {stage.name!r}: weights name {unknown}, not in data.datasets "
                                   f"({', '.join(sorted(self.data.datasets))})")
             seq_len = stage.seq_len or self.train.seq_len
+            if stage.context_parallel < 0:
+                raise ConfigError(f"stage {stage.name!r}: context_parallel = {stage.context_parallel}: must be >= 0")
+            self._check_context_parallel(seq_len, f"stage {stage.name!r}: seq_len",
+                                         stage.context_parallel or self.train.context_parallel)
             if seq_len > self.model.max_seq_len:
                 raise ConfigError(f"stage {stage.name!r}: seq_len {seq_len} > model.max_seq_len "
                                   f"{self.model.max_seq_len}")
         if not self.stages and self.train.seq_len > self.model.max_seq_len:
             raise ConfigError(f"train.seq_len = {self.train.seq_len} > model.max_seq_len = {self.model.max_seq_len}")
+        if not self.stages:
+            self._check_context_parallel(self.train.seq_len, "train.seq_len", self.train.context_parallel)
+
+    def stage_context_parallel(self, name: str) -> int:
+        """The context-parallel size the stage called ``name`` runs with."""
+        own = {s.name: s.context_parallel for s in self.stages}.get(name, 0)
+        return own or self.train.context_parallel
+
+    def _check_context_parallel(self, seq_len: int, what: str, cp: int) -> None:
+        if cp > 1 and (seq_len % (2 * cp) or seq_len // (2 * cp) < 2):
+            raise ConfigError(f"{what} = {seq_len} cannot be split over context_parallel = {cp} ranks: the "
+                              f"zigzag layout needs a multiple of 2 x {cp} = {2 * cp} with at least 2 tokens per "
+                              f"chunk; change the seq_len or the context_parallel size")
 
 
 def _nearest(key: str, valid: list[str]) -> str:

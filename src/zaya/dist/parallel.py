@@ -1,6 +1,7 @@
 """Data parallelism: DDP, DDP with a ZeRO-1 sharded optimizer, and FSDP2, behind one small interface.
 
-All three run over the runtime mesh's "dp" dimension.
+All three run over the runtime's gradient mesh: every rank (data parallel x context parallel: cp ranks hold
+different tokens of the same sequences, so their gradients are averaged like data-parallel ones).
 
 * ``ddp``: gradients all-reduced by DistributedDataParallel (written straight into its buckets:
   ``gradient_as_bucket_view``, no second copy); every rank runs the whole optimizer, except Muon's Newton-Schulz:
@@ -51,14 +52,14 @@ class Parallel:
         """The group over which every rank holds the same plain parameters (DDP), for Muon to split its work
         over; None when parameters are per-rank subsets (zero1), shards (fsdp) or in a single process."""
         if self.mode == "ddp" and self.runtime.distributed:
-            return self.runtime.dp_group or dist.group.WORLD
+            return self.runtime.grad_group or dist.group.WORLD
         return None
 
     def owned(self, params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
         """The parameters this rank's optimizer steps (all of them except under zero1)."""
         if self.mode != "zero1" or not self.runtime.distributed:
             return params
-        return [(n, p) for n, p in params if self.owner[id(p)] == self.runtime.dp_rank]
+        return [(n, p) for n, p in params if self.owner[id(p)] == self.runtime.grad_rank]
 
     @contextmanager
     def accumulating(self, is_last: bool) -> Iterator[None]:
@@ -80,7 +81,7 @@ class Parallel:
         """zero1: every owner broadcasts the parameters it updated (coalesced, one collective per owner)."""
         if self.mode != "zero1" or not self.runtime.distributed:
             return
-        group = self.runtime.dp_group
+        group = self.runtime.grad_group
         by_owner: dict[int, list[torch.Tensor]] = {}
         for p in self.model.parameters():
             if p.requires_grad:
@@ -90,7 +91,7 @@ class Parallel:
             flat = torch._utils._flatten_dense_tensors(tensors)
             src = dist.get_global_rank(group, rank) if group is not None else rank
             dist.broadcast(flat, src=src, group=group)
-            if rank != self.runtime.dp_rank:
+            if rank != self.runtime.grad_rank:
                 for dst, src_tensor in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
                     dst.copy_(src_tensor)
 
@@ -117,7 +118,7 @@ def mixed_precision(dtype: str) -> Any:
 
 
 def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32") -> Parallel:
-    """Wrap ``model`` (already on ``runtime.device``) for ``mode`` over the dp dimension."""
+    """Wrap ``model`` (already on ``runtime.device``) for ``mode`` over the gradient mesh (every rank)."""
     if mode not in MODES:
         raise ValueError(f"unknown parallel mode {mode!r}; use one of {', '.join(MODES)}")
     if not runtime.distributed:
@@ -132,14 +133,14 @@ def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32") 
             # its replacement can skip the initial sync too.
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated", category=FutureWarning)
             module = DDP(model, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True,
-                         process_group=runtime.dp_group)
+                         process_group=runtime.grad_group)
         params = [p for p in model.parameters() if p.requires_grad]
-        owner = assign_owners(params, runtime.dp_size) if mode == "zero1" else {}
+        owner = assign_owners(params, runtime.grad_size) if mode == "zero1" else {}
         return Parallel(mode, module, model, runtime, owner)
     from torch.distributed.fsdp import fully_shard
 
     policy = mixed_precision(dtype)
     for block in model.blocks:
-        fully_shard(block, mesh=runtime.dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=runtime.dp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=runtime.grad_mesh, mp_policy=policy)
+    fully_shard(model, mesh=runtime.grad_mesh, mp_policy=policy)
     return Parallel(mode, model, model, runtime)

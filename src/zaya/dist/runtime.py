@@ -7,8 +7,9 @@ collectives use a long one (ZAYA1 raised it so that short network stalls don't k
 
 **Mesh.** The ranks form a named device mesh ``("dp", "cp")``: data parallel (DDP / ZeRO-1 / FSDP2 replicate or
 shard over "dp", and the data loader splits batches by the dp rank) and context parallel (ranks of one "cp" group
-share a batch and split its sequence; 1 until context parallelism lands, so today dp = world). Ranks are laid out
-cp-fastest, so a cp group sits on consecutive ranks, inside a node.
+share a batch and split its sequence: ``zaya.dist.context_parallel``). Ranks are laid out cp-fastest, so a cp
+group sits on consecutive ranks, inside a node. Parameters are replicated (or sharded) over both dimensions: the
+gradient reduction spans the whole world (``grad_group``, ``grad_mesh``), since every rank holds different tokens.
 
 **Collectives.** The trainer's collectives go through ``Runtime`` and take tensors on the runtime's device: an
 NCCL group has no CPU backend, so a scalar built on the CPU would fail there ("No backend type associated with
@@ -126,6 +127,10 @@ class Runtime:
         if self.mesh is not None:
             self._dims = {name: self.mesh[name] for name in self.mesh.mesh_dim_names}
         self._sizes = {name: (m.size(), m.get_local_rank(), m.get_group()) for name, m in self._dims.items()}
+        self._grad_mesh = None
+        if self.mesh is not None:
+            # One 1-D mesh over every rank for FSDP2 (collective: every rank builds its runtime at start-up).
+            self._grad_mesh = self._dims["dp"] if self.cp_size == 1 else self.mesh._flatten("dp_cp")
 
     @property
     def dp_size(self) -> int:
@@ -145,8 +150,28 @@ class Runtime:
         return self._sizes["cp"][1] if self._sizes else 0
 
     @property
-    def dp_mesh(self) -> Any:
-        return self._dims.get("dp")
+    def cp_group(self) -> Any:
+        """The context-parallel process group (None without a mesh)."""
+        return self._sizes["cp"][2] if self._sizes else None
+
+    @property
+    def grad_mesh(self) -> Any:
+        """The 1-D mesh over which parameters are replicated or sharded and gradients averaged: every rank (dp x
+        cp); the dp mesh itself when cp = 1. None without a mesh."""
+        return self._grad_mesh
+
+    @property
+    def grad_group(self) -> Any:
+        """The process group of ``grad_mesh`` (None: the world, or no process group)."""
+        return None if self._grad_mesh is None else self._grad_mesh.get_group()
+
+    @property
+    def grad_size(self) -> int:
+        return self.world_size
+
+    @property
+    def grad_rank(self) -> int:
+        return self.rank
 
     @property
     def dp_group(self) -> Any:

@@ -81,7 +81,19 @@ def build_model(config: Config, rt: Runtime) -> Parallel:
     np.random.seed(tc.seed)
     with torch.device(rt.device):
         model = ZayaForCausalLM(config.model)
+    model.activation_checkpointing = tc.activation_checkpointing
     return wrap(model, tc.parallel, rt, tc.dtype)
+
+
+def install_sequence_seam(model, config: Config, rt: Runtime) -> None:
+    """Under context parallelism (cp > 1), the seam through which the model's attention reaches the other cp
+    ranks' tokens (``zaya.dist.context_parallel``); nothing otherwise."""
+    if rt.cp_size == 1:
+        return
+    from zaya.dist.context_parallel import ContextParallelSequence, CPGroup
+
+    cp = CPGroup(rt.cp_group, rt.cp_rank, rt.cp_size)
+    model.set_sequence_seam(ContextParallelSequence(cp, config.train.context_parallel_method))
 
 
 def build_optimizers_for(config: Config, parallel: Parallel) -> list[torch.optim.Optimizer]:

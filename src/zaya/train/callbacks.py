@@ -148,7 +148,7 @@ class Sample(Callback):
         prompt = torch.tensor([ids], device=trainer.runtime.device)
         model.eval()
         try:
-            with torch.no_grad(), trainer.autocast():
+            with torch.no_grad(), trainer.autocast(), trainer.full_sequences():
                 out = model.generate(prompt, max_new_tokens=self.tokens, temperature=0.8, top_k=40, seed=self.seed)
         finally:
             model.train()

@@ -122,7 +122,7 @@ class Trainer:
               callbacks: list[Callback] | None = None) -> "Trainer":
         """Assemble the parts (collective: every rank calls it) and resume from a checkpoint if there is one."""
         from zaya.checkpoint.store import CheckpointStore
-        from zaya.train.build import build_data, build_model, build_optimizers_for
+        from zaya.train.build import build_data, build_model, build_optimizers_for, install_sequence_seam
 
         tc = config.train
         display = ProgressDisplay(tc.max_steps, tc.log_every, runtime.is_main)
@@ -136,6 +136,7 @@ class Trainer:
             if runtime.is_main:
                 shutil.copyfile(next(iter(datasets.values())).directory / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)
             parallel = build_model(config, runtime)
+            install_sequence_seam(parallel.model, config, runtime)
             optimizers = build_optimizers_for(config, parallel)
             store = CheckpointStore(run_dir / CHECKPOINTS, config.checkpoint, runtime, parallel=tc.parallel,
                                     run_dir=run_dir, log=say)
@@ -209,6 +210,14 @@ class Trainer:
             val_loss, schedule_done, interrupted = first_val, False, False
             last_saved = p.step if self.resumed_from else -1
             while p.step < tc.max_steps:
+                relaunch = self._context_parallel_change()
+                if relaunch:
+                    if last_saved != p.step:
+                        self.save("context parallel size change")
+                        last_saved = p.step
+                    self.say(relaunch)
+                    interrupted = True
+                    break
                 record = self.step()
                 if record is None:
                     schedule_done = True
@@ -257,6 +266,24 @@ class Trainer:
         finally:
             self.stop_request.uninstall()
 
+    def _context_parallel_change(self) -> str:
+        """A message when the next step's stage runs with another context-parallel size than this process group
+        (then the run stops with a checkpoint, to be relaunched with that size); "" otherwise."""
+        stage = stage_at(self.schedule.stages, self.loader.state_dict())
+        if stage is None:
+            return ""
+        need = self.config.stage_context_parallel(stage.name)
+        if need == self.runtime.cp_size:
+            return ""
+        return (f"stage {stage.name!r} runs with context_parallel = {need}, this run has {self.runtime.cp_size}: "
+                f"checkpoint written at step {self.progress.step}; relaunch the same command with "
+                f"--set train.context_parallel={need} (on a world size that is a multiple of {need})")
+
+    def full_sequences(self):
+        """A context in which the model sees whole sequences in every process (validation, the routing probe,
+        samples): context parallelism's seam is set aside."""
+        return full_sequences(self.parallel.model)
+
     def step(self) -> dict[str, Any] | None:
         """One optimizer step; returns its metrics record, or None when the data schedule has ended."""
         t0 = time.perf_counter()
@@ -275,22 +302,31 @@ class Trainer:
         if self.probe is not None:
             # First, with the weights and biases the last step left (and before any backward: FSDP2 wants no
             # forward between a backward and the optimizer step); compared with the previous step's probe.
-            totals[self._counts_end:], probe_compared = self.probe.measure(model, routers_of(model), self.autocast)
+            with self.full_sequences():
+                totals[self._counts_end:], probe_compared = self.probe.measure(model, routers_of(model),
+                                                                               self.autocast)
+        cp = rt.cp_size
+        document_mask = self.config.data.document_mask
         for i, batch in enumerate(batches):
-            inputs = rt.to_device(batch.input_ids)
-            labels = rt.to_device(batch.labels)
-            positions = None if batch.position_ids is None else rt.to_device(batch.position_ids)
+            inputs, labels, positions = self._local_tokens(batch)
             with self.parallel.accumulating(is_last=i == len(batches) - 1), self.autocast():
-                out = self.parallel.module(inputs, labels=labels, position_ids=positions)
-                # d(global mean)/d(this rank's mean): its share of the step's targets, times dp (the gradient
-                # reduction averages over the data-parallel ranks).
-                objective = out.loss / (global_targets / (batch.num_targets * rt.dp_size))
+                out = self.parallel.module(inputs, labels=labels, position_ids=positions,
+                                           document_mask=document_mask)
+                if cp == 1:
+                    # d(global mean)/d(this rank's mean): its share of the step's targets, times dp (the gradient
+                    # reduction averages over the ranks).
+                    targets = batch.num_targets
+                    objective = out.loss / (global_targets / (targets * rt.grad_size))
+                else:
+                    # This rank's share of the sequence's targets, counted on the device (no host read).
+                    targets = (labels != -100).sum()
+                    objective = out.loss * (targets * rt.grad_size / global_targets)
                 if out.aux_loss is not None:  # a per-micro-batch mean, averaged like the gradients
-                    objective = objective + out.aux_loss / len(batches)
+                    objective = objective + out.aux_loss / (len(batches) * cp)
                 objective.backward()
-            totals[0] += out.loss.detach().double() * batch.num_targets
+            totals[0] += out.loss.detach().double() * targets
+            totals[1] += targets
             counts_slot += out.tokens_per_expert.detach().flatten()
-        totals[1] = sum(b.num_targets for b in batches)
         totals[2] = float(self.stop_request.requested)
         totals[3] = float(self.store.poll_failed())
         grad_norm = _clip(self.parallel.module.parameters(), self.config.optim.grad_clip)
@@ -322,6 +358,20 @@ class Trainer:
             record["router_flip_rate"] = [round(v, 5) for v in probe[:layers]] if probe_compared else None
             record["router_token_entropy"] = [round(v, 5) for v in probe[layers:]]
         return record
+
+    def _local_tokens(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(input ids, labels, position ids) of this rank on its device: under context parallelism its zigzag
+        chunks, with their global positions (cut on the host: no device work, no read)."""
+        from zaya.dist.context_parallel import shard
+
+        rt = self.runtime
+        inputs, labels, positions = batch.input_ids, batch.labels, batch.position_ids
+        if rt.cp_size > 1:
+            if positions is None:
+                positions = torch.arange(inputs.shape[1], device="cpu").expand(inputs.shape[0], -1)
+            inputs, labels, positions = (shard(t, rt.cp_size, rt.cp_rank) for t in (inputs, labels, positions))
+        return (rt.to_device(inputs), rt.to_device(labels),
+                None if positions is None else rt.to_device(positions))
 
     def _read_micro_batches(self, n: int) -> list | None:
         batches = []
@@ -384,8 +434,9 @@ class Trainer:
         for dataset in self.datasets.values():
             if dataset.split("val").num_tokens <= stage.seq_len * stage.micro_batch_size * rt.dp_size:
                 continue
-            part, _ = loss_totals(self.parallel.module, dataset, stage.seq_len, stage.micro_batch_size,
-                                  dc.val_batches, "val", self.config.train.dtype, rt)
+            with self.full_sequences():  # under cp every rank of a cp group scores its dp rank's share in full
+                part, _ = loss_totals(self.parallel.module, dataset, stage.seq_len, stage.micro_batch_size,
+                                      dc.val_batches, "val", self.config.train.dtype, rt)
             total += part
         loss_sum, count = rt.read(rt.all_reduce(total, over="dp"))
         if count == 0:
@@ -434,6 +485,23 @@ def _prepare_run_dir(config: Config, rt: Runtime, run_dir: Path, resume: str, sa
     check_shared_directory(rt, run_dir, "train.run_dir")
 
 
+class full_sequences:  # noqa: N801 - a context manager used like a function
+    """Within it, ``model`` attends over whole sequences in each process (the local sequence seam)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __enter__(self):
+        from zaya.model.attention import LOCAL_SEQUENCE
+
+        self.seam = self.model.sequence_seam
+        self.model.set_sequence_seam(LOCAL_SEQUENCE)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.set_sequence_seam(self.seam)
+
+
 def _set_rope_theta(model, theta: float) -> None:
     if model.rope.theta != theta:
         model.rope.theta = theta
@@ -453,7 +521,7 @@ def train(config: Config, resume: str = "auto", callbacks: list[Callback] | None
     from zaya.dist.checks import ExplicitDevices
 
     tc = config.train
-    rt = start(tc.timeout_s, tc.startup_timeout_s, tc.device)
+    rt = start(tc.timeout_s, tc.startup_timeout_s, tc.device, cp_size=tc.context_parallel)
     trainer = None
     try:
         with ExitStack() as stack:
