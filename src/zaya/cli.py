@@ -104,13 +104,14 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace, need_tokenizer: bool):
-    """(model on --device, tokenizer or None, description): loading errors are input errors (exit code 2)."""
+def _load(args: argparse.Namespace, need_tokenizer: bool, device=None):
+    """(model on --device (or ``device``), tokenizer or None, description): loading errors are input errors (exit
+    code 2)."""
     from zaya.checkpoint.consolidate import describe, load_for_inference
     from zaya.data.tokenizer import Tokenizer
     from zaya.device import resolve_device
 
-    device = resolve_device(args.device)
+    device = device if device is not None else resolve_device(args.device)
     try:
         model, tokenizer_path, directory = load_for_inference(args.checkpoint, device=device)
     except (ValueError, KeyError) as exc:
@@ -131,20 +132,61 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
         raise errors.ConfigError("--max-new-tokens and --temperature must be >= 0 and --top-p in (0, 1]")
-    model, tokenizer, where = _load(args, need_tokenizer=True)
-    device = next(model.parameters()).device
-    eos = model.config.eos_token_id
-    prompt_ids = ([eos] if args.document_start else []) + tokenizer.encode(args.prompt)
-    if not prompt_ids:
-        raise errors.ConfigError("--prompt is empty and --no-document-start was given: nothing to condition on")
-    with torch.no_grad(), autocast(device, args.dtype):
-        out = model.generate(torch.tensor([prompt_ids], device=device), max_new_tokens=args.max_new_tokens,
-                             temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                             seed=args.seed, eos_token_id=None if args.ignore_eos else eos)
-    text = tokenizer.decode(out[0, 1 if args.document_start else 0:].tolist(), skip_special_tokens=True)
-    print(f"# {where} on {device}", file=sys.stderr)
-    print(text)
+    runtime = _tree_parallel_runtime(args) if args.tree_parallel is not None else None
+    try:
+        if runtime is None:
+            model, tokenizer, where = _load(args, need_tokenizer=True)
+        else:  # a rank that cannot load stops every rank (instead of leaving them waiting in the prefill)
+            loaded, error = None, None
+            try:
+                loaded = _load(args, need_tokenizer=True, device=runtime.device)
+            except Exception as exc:  # noqa: BLE001 - re-raised by agree, on every rank
+                error = exc
+            runtime.agree(error, "loading the checkpoint")
+            model, tokenizer, where = loaded
+        device = next(model.parameters()).device
+        eos = model.config.eos_token_id
+        prompt_ids = ([eos] if args.document_start else []) + tokenizer.encode(args.prompt)
+        if not prompt_ids:
+            raise errors.ConfigError("--prompt is empty and --no-document-start was given: nothing to condition on")
+        options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                       top_p=args.top_p, seed=args.seed, eos_token_id=None if args.ignore_eos else eos)
+        with torch.no_grad(), autocast(device, args.dtype):
+            prompt = torch.tensor([prompt_ids], device=device)
+            if runtime is None:
+                out = model.generate(prompt, **options)
+            else:
+                from zaya.dist.tree_decoding import tree_generate
+
+                out = tree_generate(model, runtime, prompt, **options)
+    finally:
+        if runtime is not None:
+            from zaya.dist.runtime import stop
+
+            stop(runtime)
+    if runtime is None or runtime.is_main:  # every rank holds the same tokens; one prints them
+        text = tokenizer.decode(out[0, 1 if args.document_start else 0:].tolist(), skip_special_tokens=True)
+        parallel = "" if runtime is None else f", KV cache sharded over {runtime.world_size} ranks"
+        print(f"# {where} on {device}{parallel}", file=sys.stderr)
+        print(text)
     return 0
+
+
+def _tree_parallel_runtime(args: argparse.Namespace):
+    """The process group for ``--tree-parallel N``: N must be the number of processes torchrun started."""
+    from zaya.dist.runtime import launched_by_torchrun, start
+
+    n = args.tree_parallel
+    if n < 1:
+        raise errors.ConfigError(f"--tree-parallel {n}: give the number of ranks to shard the KV cache over (>= 1)")
+    world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1
+    if world != n:
+        started = f"torchrun started {world} processes" if launched_by_torchrun() else "this is one process"
+        raise errors.ConfigError(
+            f"--tree-parallel {n} shards the KV cache over {n} processes, but {started}: launch it as "
+            f"`torchrun --nproc-per-node {n} -m zaya generate ... --tree-parallel {n}` (or pass --tree-parallel "
+            f"{world})")
+    return start(device=args.device)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -288,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past an end of document")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
+    p.add_argument("--tree-parallel", type=int, default=None, metavar="N",
+                   help="shard the prompt's KV cache over N ranks and decode with tree attention (launch N "
+                        "processes with torchrun; N must be the world size; rank 0 prints)")
     p.set_defaults(func=_cmd_generate)
 
     p = verbs.add_parser("eval", help="validation loss and perplexity of a checkpoint on a prepared dataset")

@@ -28,6 +28,7 @@ that exchanges the boundary and the keys with the other ranks; this package neve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,20 @@ class AttentionCache:
     """CCA: [B, q+k channels, conv reach] raw q/k projections of the last positions (zeros before the start)."""
     value_state: torch.Tensor | None = None
     """CCA: [B, kv_heads*head_dim/2] delayed value projection of the last token (zeros before the start)."""
+    shard: KeyShard | None = None
+    """Set when this process holds only a part of the sequence's cached keys (tree-attention decoding,
+    ``zaya.dist.tree_decoding``): the shard appends and attends in place of the local cache path."""
+
+
+class KeyShard(Protocol):
+    """Attention over a decode cache whose keys are spread over several processes.
+
+    ``attend`` gets the new tokens' post-RoPE queries [B, Hq, T, D] and keys/values [B, Hkv, T, D], this layer's
+    cache and the position the model's decode state would write them at; it stores what this process keeps and
+    returns the attention output [B, Hq, T, D] over every process's keys, the same on every process."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: AttentionCache,
+               cache_start: int) -> torch.Tensor: ...
 
 
 def _scaled_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -253,6 +268,12 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
+        if cache is not None and cache.shard is not None:
+            if attn_mask is not None:
+                raise ValueError("a sharded decode cache (tree decoding) takes one token per step, without padding or "
+                                 "an attention mask")
+            out = cache.shard.attend(q, k, v, cache, cache_start)
+            return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
         causal = cache is None
         if cache is not None:
             end = cache_start + x.shape[1]

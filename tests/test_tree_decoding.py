@@ -1,0 +1,261 @@
+"""Tree-attention decoding over a sharded KV cache (``zaya.dist.tree_decoding``) against one process's decoding.
+
+Every rank builds the same tiny random fp32 model (same seed, then ``perturb``) and decodes the same tokens; the
+test process decodes them with ``model.new_state`` / ``model.generate`` alone. Tolerance: 1e-5 absolute and
+relative on logits of O(1): the sharded path reorders fp32 sums (the softmax split over ranks and merged, masked
+instead of causal attention in the prefill), which at these sizes moves logits by about 1e-7 (seen: at most 3e-7);
+1e-5 is the bar ``tests/test_model.py`` sets for decode-equals-forward. Generated tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_helpers import free_port, run_ranks
+from test_model import perturb, tiny_config
+from zaya.cli import main
+from zaya.dist.runtime import Runtime
+from zaya.dist.tree_decoding import ShardedDecoder, local_attention, merge_partial, slice_bounds, tree_generate
+from zaya.model import ZayaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+ATOL = RTOL = 1e-5
+NEW = 5
+"""Tokens fed after each prompt in the logits cases."""
+CASES = {
+    # world: [(model overrides, prompt length)]; short prompts leave the first ranks without keys
+    1: [({}, 6)],
+    2: [({}, 9), (dict(attention="gqa", router="linear"), 4)],
+    3: [({}, 7), (dict(attention="mha", num_kv_heads=4, router_eda=False), 2)],
+    4: [({}, 3), ({}, 1), ({}, 10)],
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread in this process, as each spawned rank has: on a shared 2-core machine two threads spin
+    against the ranks and other work (a tiny decode step went from 15 ms to 0.5 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def build_model(overrides: dict, seed: int = 3) -> ZayaForCausalLM:
+    torch.manual_seed(0)
+    model = ZayaForCausalLM(tiny_config(**overrides)).eval()
+    perturb(model, seed=seed)
+    return model
+
+
+def tokens(length: int, batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(length))
+
+
+def sharded_logits(model, runtime, ids: torch.Tensor, prompt: int, method: str) -> list[torch.Tensor]:
+    """Logits after the prompt ``ids[:, :prompt]`` and after each of the following tokens, sharded."""
+    decoder = ShardedDecoder(model, runtime, method)
+    out = [decoder.prefill(ids[:, :prompt], ids.shape[1] - prompt)]
+    out += [decoder.step(ids[:, i]) for i in range(prompt, ids.shape[1])]
+    return out
+
+
+@torch.no_grad()
+def reference_logits(model, ids: torch.Tensor, prompt: int) -> list[torch.Tensor]:
+    state = model.new_state(ids.shape[0], ids.shape[1])
+    out = [model(ids[:, :prompt], state=state).logits[:, -1]]
+    return out + [model(ids[:, i:i + 1], state=state).logits[:, -1] for i in range(prompt, ids.shape[1])]
+
+
+GENERATE = [dict(temperature=0.0), dict(temperature=0.9, top_k=20, seed=7), dict(temperature=1.0, top_p=0.9, seed=1)]
+SHARDED_GENERATE = [("tree", GENERATE[0]), ("tree", GENERATE[1]), ("ring", GENERATE[2])]
+"""What the spawned ranks generate (each case costs seconds there); one process runs every option."""
+
+
+def _decode_worlds(rank: int, processes: int, ports: dict[int, int]) -> dict:
+    """On each of ``processes`` spawned processes: for every world size in CASES (largest first), the ranks below
+    it form a process group of that size and decode; one spawn serves every world (starting processes is what
+    costs here: about 6 s a process on 2 shared cores)."""
+    import torch.distributed as dist
+
+    from zaya.dist.runtime import start
+    from zaya.dist.tree_decoding import CommStats
+
+    results: dict = {}
+    for world in sorted(ports, reverse=True):
+        if rank >= world:
+            continue
+        os.environ.update({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_PORT": str(ports[world])})
+        runtime = start(device="cpu")
+        result: dict = {"logits": [], "generate": [], "stats": []}
+        for overrides, prompt in CASES[world]:
+            model = build_model(overrides)
+            ids = tokens(prompt + NEW)
+            for method in ("tree", "ring"):
+                result["logits"].append(sharded_logits(model, runtime, ids, prompt, method))
+        model = build_model({})
+        prompt = tokens(CASES[world][0][1])
+        for method, options in SHARDED_GENERATE:
+            stats = CommStats()
+            result["generate"].append(tree_generate(model, runtime, prompt, 6, method=method, stats=stats, **options))
+            result["stats"].append((method, stats.collectives, stats.steps, stats.tokens))
+        # bf16 autocast (the command's default) with the first ranks holding no keys: it runs, ranks agree
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            result["bf16"] = tree_generate(model, runtime, tokens(2), 4, temperature=0.0)
+        results[world] = result
+        dist.destroy_process_group()
+    return results
+
+
+@pytest.fixture(scope="module")
+def sharded_runs():
+    worlds = [w for w in CASES if w > 1]
+    results = run_ranks(_decode_worlds, max(worlds), {w: free_port() for w in worlds})
+    for r in results:
+        assert r.error is None, r.error
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sharded_decoding_matches_one_process(world, sharded_runs):
+    results = [r.value[world] for r in sharded_runs[:world]]
+    layers = tiny_config().num_layers
+    expected_logits = []
+    for overrides, prompt in CASES[world]:
+        model = build_model(overrides)
+        ref = reference_logits(model, tokens(prompt + NEW), prompt)
+        expected_logits += [ref, ref]  # tree, ring
+    model = build_model({})
+    prompt = tokens(CASES[world][0][1])
+    expected = [model.generate(prompt, 6, **options) for _, options in SHARDED_GENERATE]
+    for r in results:
+        for got, ref in zip(r["logits"], expected_logits, strict=True):
+            for g, e in zip(got, ref, strict=True):
+                torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
+        for got, want in zip(r["generate"], expected, strict=True):
+            assert torch.equal(got, want)
+        # per decoded token: an all-reduce pair a layer (tree) or p - 1 ring rounds, and the token's broadcast
+        for method, collectives, _, fed in r["stats"]:
+            per_layer = 2 if method == "tree" else world - 1
+            assert fed == 5 and collectives == fed * layers * per_layer + 6
+    # every rank decodes the same bits
+    assert results[0]["bf16"].shape == (2, 6)
+    for r in results[1:]:
+        assert torch.equal(r["bf16"], results[0]["bf16"])
+        for got, first in zip(r["logits"], results[0]["logits"], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got, first, strict=True))
+
+
+def test_one_rank_is_plain_decoding():
+    """World 1 (no process group): the same path, no collectives."""
+    runtime = Runtime()
+    for overrides, prompt in CASES[1]:
+        model = build_model(overrides)
+        ids = tokens(prompt + NEW)
+        ref = reference_logits(model, ids, prompt)
+        for method in ("tree", "ring"):
+            for got, want in zip(sharded_logits(model, runtime, ids, prompt, method), ref, strict=True):
+                torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    model = build_model({})
+    prompt = tokens(4)
+    for options in GENERATE:
+        assert torch.equal(tree_generate(model, runtime, prompt, 7, eos_token_id=5, **options),
+                           model.generate(prompt, 7, eos_token_id=5, **options))
+
+
+def test_slices_put_the_prompt_end_on_the_last_rank():
+    assert [slice_bounds(3, 4, r) for r in range(4)] == [(0, 0), (0, 1), (1, 2), (2, 3)]
+    assert [slice_bounds(10, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 7), (7, 10)]
+    assert [slice_bounds(8, 2, r) for r in range(2)] == [(0, 4), (4, 8)]
+
+
+def test_merges_of_partials_equal_attention_over_all_keys():
+    """The tree formula and the ring's stable merge, with an empty partial (o = 0, lse = -finfo.max)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g),
+               torch.randn(2, 2, 12, 8, generator=g))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    parts = [local_attention(q, k[:, :, a:b], v[:, :, a:b]) for a, b in ((0, 0), (0, 5), (5, 12))]
+    m = torch.stack([lse for _, lse in parts]).amax(0)
+    num = sum(o * torch.exp(lse - m)[..., None] for o, lse in parts)
+    den = sum(torch.exp(lse - m)[..., None] for _, lse in parts)
+    torch.testing.assert_close(num / den, want, atol=1e-6, rtol=1e-6)
+    out, lse = parts[2]
+    for o_b, lse_b in parts[:2]:
+        out, lse = merge_partial(out, lse, o_b, lse_b)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, local_attention(q, k, v)[1], atol=1e-6, rtol=1e-6)
+
+
+def test_errors_name_the_fix():
+    model = build_model({})
+    with pytest.raises(ValueError, match="decode method 'star'"):
+        ShardedDecoder(model, Runtime(), "star")
+    decoder = ShardedDecoder(model, Runtime())
+    with pytest.raises(ValueError, match="before prefill"):
+        decoder.step(torch.tensor([1]))
+    with pytest.raises(ValueError, match="at least one token"):
+        decoder.allocate(1, 0, 4)
+    decoder.prefill(tokens(4, batch=1), 1)
+    decoder.step(torch.tensor([1]))
+    with pytest.raises(ValueError, match="larger max_new_tokens"):
+        decoder.step(torch.tensor([1]))
+    decoder.prefill(tokens(4, batch=1), 3)
+    with pytest.raises(ValueError, match="one token per step"):
+        model(tokens(2, batch=1), state=decoder.state, attention_mask=None)
+
+
+# ---------------------------------------------------------------------------------------------- the command
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random zaya checkpoint with a 320-entry BPE beside it."""
+    from zaya.data.tokenizer import Tokenizer
+    from zaya.model.io import save_checkpoint
+
+    directory = tmp_path_factory.mktemp("tree") / "ckpt"
+    text = ["Now is the winter of our discontent made glorious summer by this sun of York."] * 20
+    tokenizer = Tokenizer.train(text, 320)
+    model = build_model(dict(vocab_size=320, eos_token_id=tokenizer.special.eos, num_layers=2))
+    save_checkpoint(model, directory)
+    tokenizer.save(directory / "tokenizer.json")
+    return directory
+
+
+def generate_args(checkpoint, *extra: str) -> list[str]:
+    return ["generate", "--checkpoint", str(checkpoint), "--prompt", "Now is the winter", "--max-new-tokens", "8",
+            "--dtype", "float32", "--device", "cpu", "--seed", "3", *extra]
+
+
+def test_cli_tree_parallel_through_torchrun_prints_what_one_process_does(checkpoint, capsys):
+    assert main(generate_args(checkpoint)) == 0
+    want = capsys.readouterr().out
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), "-m", "zaya", *generate_args(checkpoint,
+                                                                                          "--tree-parallel", "2")],
+                         capture_output=True, text=True, env=env, timeout=180, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == want  # rank 0 alone prints
+
+
+def test_cli_tree_parallel_must_match_the_world_size(checkpoint, capsys):
+    assert main(generate_args(checkpoint, "--tree-parallel", "2")) == 2
+    err = capsys.readouterr().err
+    assert "--tree-parallel 2" in err and "torchrun --nproc-per-node 2" in err
+    assert main(generate_args(checkpoint, "--tree-parallel", "0")) == 2
+    assert "--tree-parallel 0" in capsys.readouterr().err
+
+
+def test_cli_tree_parallel_names_the_world_torchrun_started(checkpoint, capsys, monkeypatch):
+    """Under torchrun (its environment, checked before any process group starts) N must be the world size."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(generate_args(checkpoint, "--tree-parallel", "3")) == 2
+    err = capsys.readouterr().err
+    assert "torchrun started 2 processes" in err and "--nproc-per-node 3" in err and "--tree-parallel 2" in err
