@@ -11,7 +11,7 @@ from zaya.config import ConfigError, ModelConfig, load_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "zaya1-base"])
+@pytest.mark.parametrize("name", ["tiny", "small", "zaya1-base", "tiny-long"])
 def test_presets_load(name):
     cfg = load_config(CONFIGS / f"{name}.toml")
     assert cfg.model.num_layers >= 1
