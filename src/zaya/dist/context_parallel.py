@@ -288,6 +288,21 @@ def _block_mask(documents: torch.Tensor | None, block_docs: torch.Tensor | None,
     return document_mask(documents[:, rows], block_docs[:, keys], causal=False)
 
 
+def _next_block(cp: CPGroup, step: int, kv: torch.Tensor, docs: torch.Tensor | None) -> _RingShift | None:
+    """Start passing the current K/V block (and its document starts) on, unless this is the ring's last step."""
+    if step == cp.size - 1:
+        return None
+    return _RingShift(cp, [kv] + ([docs] if docs is not None else []))
+
+
+def _received(shift: _RingShift | None, kv: torch.Tensor, docs: torch.Tensor | None):
+    """The block ``shift`` brought (K/V, document starts); the current one after the last step."""
+    if shift is None:
+        return kv, docs
+    received = shift.wait()
+    return received[0], (received[1] if docs is not None else None)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, documents, cp: CPGroup):  # noqa: D102
@@ -298,17 +313,12 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack((k, v))
         docs = documents
         for step in range(w):
-            shift = None
-            if step < w - 1:
-                shift = _RingShift(cp, [kv] + ([docs] if docs is not None else []))
-            src = (r - step) % w
-            rows, keys, causal = _ring_block(step, src, r, n)
+            shift = _next_block(cp, step, kv, docs)
+            rows, keys, causal = _ring_block(step, (r - step) % w, r, n)
             o_b, lse_b = _block(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], causal,
                                 _block_mask(documents, docs, rows, keys))
             out[:, :, rows], lse[:, :, rows] = merge_partial(out[:, :, rows], lse[:, :, rows], o_b, lse_b)
-            if shift is not None:
-                received = shift.wait()
-                kv, docs = received[0], (received[1] if docs is not None else None)
+            kv, docs = _received(shift, kv, docs)
         ctx.cp = cp
         ctx.save_for_backward(q, k, v, out, lse, documents)
         return out.to(q.dtype)
@@ -325,20 +335,15 @@ class _RingAttention(torch.autograd.Function):
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         docs = documents
         for step in range(w):
-            shift = None
-            if step < w - 1:
-                shift = _RingShift(cp, [kv] + ([docs] if docs is not None else []))
-            src = (r - step) % w
-            rows, keys, causal = _ring_block(step, src, r, n)
+            shift = _next_block(cp, step, kv, docs)
+            rows, keys, causal = _ring_block(step, (r - step) % w, r, n)
             dq_b, dk_b, dv_b = _block_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
                                                kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows], causal,
                                                _block_mask(documents, docs, rows, keys))
             dq[:, :, rows] += dq_b
             dkv[0][:, :, keys] += dk_b
             dkv[1][:, :, keys] += dv_b
-            if shift is not None:  # the next block, received while this one was computed
-                received = shift.wait()
-                kv, docs = received[0], (received[1] if docs is not None else None)
+            kv, docs = _received(shift, kv, docs)  # the next block, received while this one was computed
             # The accumulator follows its block; after the last step this hands it back to the block's owner.
             dkv = _RingShift(cp, [dkv]).wait()[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
