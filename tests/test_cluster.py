@@ -100,10 +100,14 @@ def _strict_step(rank: int, world: int, dataset: str, root: str, mode: str) -> d
     from zaya.dist.runtime import start
     from zaya.train.trainer import HOST_READS_PER_STEP, Trainer
 
-    rt = start(timeout_s=60, startup_timeout_s=60)
+    parallel, _, cp = mode.partition("+cp")
+    cp = int(cp or 1)
+    rt = start(timeout_s=60, startup_timeout_s=60, cp_size=cp)
     assert rt.strict, "ZAYA_STRICT_DEVICES=1 was not picked up"
-    config = micro(dataset, Path(root) / mode, train={"parallel": mode, "global_batch_tokens": 512,
-                                                      "dtype": "float32"},
+    # Under cp the two ranks share each sequence, so the same global batch takes twice the accumulation.
+    config = micro(dataset, Path(root) / parallel, train={"parallel": parallel, "global_batch_tokens": 512 // cp,
+                                                          "dtype": "float32", "context_parallel": cp,
+                                                          "context_parallel_method": "ring"},
                    checkpoint={"ram_tier": False})
     with ExplicitDevices():
         trainer = Trainer.build(config, rt, resume="never")
@@ -121,7 +125,7 @@ def _strict_step(rank: int, world: int, dataset: str, root: str, mode: str) -> d
             "mesh": (rt.mesh.mesh_dim_names, rt.dp_size, rt.cp_size, rt.dp_rank)}
 
 
-@pytest.mark.parametrize("mode", ["zero1", "fsdp"])
+@pytest.mark.parametrize("mode", ["zero1", "fsdp", "ddp+cp2"])
 def test_a_step_keeps_to_its_host_read_budget_with_strict_devices(tmp_path, shakespeare_dataset, mode):
     results = run_ranks(_strict_step, 2, str(shakespeare_dataset), str(tmp_path), mode,
                         env={"ZAYA_STRICT_DEVICES": "1"})
@@ -132,7 +136,8 @@ def test_a_step_keeps_to_its_host_read_budget_with_strict_devices(tmp_path, shak
         # The budget (two: the step's scalars, and Muon's drift checks when a matrix takes the Gram path; the micro
         # model has none) holds under ZeRO-1 and FSDP2 as in one process, however many micro-batches.
         assert v["reads"] <= 1 < v["budget"] == 2, v["report"]
-        assert v["mesh"] == (("dp", "cp"), 2, 1, r.rank)
+        cp = 2 if "+cp2" in mode else 1
+        assert v["mesh"] == (("dp", "cp"), 2 // cp, cp, r.rank // cp)
     assert results[0].value["loss"] == results[1].value["loss"]
 
 
