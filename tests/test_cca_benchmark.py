@@ -1,0 +1,32 @@
+"""`benchmarks/cca_attention.py --quick`: the three attention variants run, agree where they must, and report their
+figures as JSON lines (a smoke test of the benchmark's whole path; its timings mean nothing)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_cca_benchmark_reports_every_variant():
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/cca_attention.py"), "--quick"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    machine, rows, final = lines[0], lines[1:-1], lines[-1]
+    assert machine["machine"] and isinstance(machine["bf16_native"], bool) and machine["bf16_slowdown"] > 0
+    variants = [r for r in rows if "variant" in r]
+    assert [r["variant"] for r in variants] == ["ours_cca", "ours_mha", "hf_cca"]
+    for r in variants:
+        assert r["shape"] == "tiny" and r["dtype"] == "fp32" and r["tokens"] == 128 and r["repeats"] == 2, r
+        assert r["median_s"] > 0 and len(r["times_s"]) == 2 and r["speedup_vs_hf"] > 0, r
+    assert variants[2]["speedup_vs_hf"] == 1.0
+    (summary,) = [r for r in rows if r.get("summary")]
+    # Same weights in ours and transformers' CCA: outputs and every gradient agree to fp32 rounding.
+    assert summary["out_rel_err"] < 1e-5 and summary["grad_rel_err"] < 1e-5, summary
+    assert summary["target"] == 1.2 and summary["target_met"] == (summary["speedup_vs_hf"] >= 1.2)
+    assert summary["speedup_vs_hf"] == round(summary["hf_cca_s"] / summary["ours_cca_s"], 3)
+    assert final["final"] and final["primary"] == ["tiny/fp32"] and "tiny/fp32" in final["speedups"]
