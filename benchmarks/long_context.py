@@ -7,7 +7,8 @@ and 2 context-parallel ranks with each method. Per configuration: the median ste
 rank (the bytes autograd saved for the backward, counted once per storage, weights excepted: what context
 parallelism divides) and
 the growth of the peak resident memory during the steps. Ratios are against the one-process run of the same
-length, measured in the same invocation.
+length, measured in the same invocation. Each rank gets ``--threads`` intra-op threads (default 1): a rank stands
+for one device, as context parallelism adds devices.
 
 ``--part decode`` runs ``benchmarks/tree_decoding.py``, ``--part cca`` ``benchmarks/cca_attention.py``;
 ``--part all`` all three.
@@ -61,7 +62,7 @@ def _rank(rank: int, world: int, port: int, job: dict, out_path: str) -> None:
     from zaya.dist.context_parallel import ContextParallelSequence, CPGroup, shard
     from zaya.model import ZayaForCausalLM
 
-    torch.set_num_threads(max(1, job["threads"] // world))
+    torch.set_num_threads(job["threads"])
     if world > 1:
         dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -150,8 +151,9 @@ def main() -> None:
     parser.add_argument("--part", choices=["cp", "decode", "cca", "all"], default="cp")
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384], help="sequence lengths (cp)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="intra-op threads per configuration, split over its ranks")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads of each rank: a rank stands for one device, so the one-process "
+                             "baseline gets one rank's share and 2 cp ranks twice that")
     parser.add_argument("--quick-model", action="store_true", help="a 2-layer, 64-wide model (smoke runs)")
     args = parser.parse_args()
     if args.part in ("cp", "all"):

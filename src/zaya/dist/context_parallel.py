@@ -21,8 +21,9 @@ halo gradients the other way (``_Boundary``). Both convolutions then run on [his
   output and log-sum-exp; the dK/dV accumulators (fp32) travel with their blocks and a last shift hands them to
   their owners. Memory: two K/V blocks at a time.
 * ``allgather``: every rank gathers the full K/V, one KV head at a time with the next head's gather in flight
-  while the current one is attended (double buffering); local queries attend with their exact causal (and
-  document) mask; the backward reduce-scatters dK/dV in fp32. Memory: the full sequence's K/V (CCA's are small:
+  while the current one is attended (double buffering); each local chunk attends to the earlier chunks without a
+  mask and to itself causally (merged like the ring's blocks; document masks rebuilt from the document starts,
+  never stored); the backward reduce-scatters dK/dV in fp32. Memory: the full sequence's K/V (CCA's are small:
   2 KV heads), one collective per KV head instead of W - 1 exchanges, and irregular masks cost nothing extra.
 
 Document masks (``data.document_mask``) travel as each token's document start (its global index minus its
@@ -42,7 +43,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from zaya.model.attention import SequenceSeam, document_mask
 
@@ -405,6 +405,49 @@ class _GatheredSequence(torch.autograd.Function):
         return mine.to(ctx.dtype), None, None
 
 
+class _ChunkAttention(torch.autograd.Function):
+    """The queries of zigzag chunk ``chunk`` (n tokens) against the gathered keys before and at it: the earlier
+    chunks without a mask, its own with a causal one, merged in fp32 like the ring's blocks. Masks (documents only)
+    are rebuilt from the document starts in the backward rather than kept: an [n, S] mask per chunk and layer would
+    outweigh the activations it serves (flash kernels take no mask otherwise)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunk: int, q_docs, k_docs):  # noqa: D102
+        n = q.shape[2]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        for keys, causal in _chunk_pieces(chunk, n):
+            o_b, lse_b = _block(q, k[:, :, keys], v[:, :, keys], causal, _piece_mask(q_docs, k_docs, keys))
+            out, lse = merge_partial(out, lse, o_b, lse_b)
+        ctx.chunk = chunk
+        ctx.save_for_backward(q, k, v, out, lse, q_docs, k_docs)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: D102
+        q, k, v, out, lse, q_docs, k_docs = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        for keys, causal in _chunk_pieces(ctx.chunk, q.shape[2]):
+            dq_b, dk_b, dv_b = _block_backward(dout, q, k[:, :, keys], v[:, :, keys], out, lse, causal,
+                                               _piece_mask(q_docs, k_docs, keys))
+            dq += dq_b
+            dk[:, :, keys] += dk_b
+            dv[:, :, keys] += dv_b
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def _chunk_pieces(chunk: int, n: int) -> list[tuple[slice, bool]]:
+    pieces = [(slice(0, chunk * n), False)] if chunk else []
+    return pieces + [(slice(chunk * n, (chunk + 1) * n), True)]
+
+
+def _piece_mask(q_docs: torch.Tensor | None, k_docs: torch.Tensor | None, keys: slice) -> torch.Tensor | None:
+    return None if q_docs is None else document_mask(q_docs, k_docs[:, keys], causal=False)
+
+
 def _allgather_attention(q, k, v, documents, cp: CPGroup) -> torch.Tensor:
     w, r = cp.size, cp.rank
     hq, hk = q.shape[1], k.shape[1]
@@ -425,15 +468,12 @@ def _allgather_attention(q, k, v, documents, cp: CPGroup) -> torch.Tensor:
         parts = []
         for half, chunk in enumerate((r, 2 * w - 1 - r)):
             end = (chunk + 1) * n
-            rows = head_q[:, :, half * n:(half + 1) * n]
-            keys = full[:, 0:1, :end].to(q.dtype)
-            values = full[:, 1:2, :end].to(q.dtype)
-            allowed = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=chunk * n)[None, None]
-            if full_docs is not None:
-                allowed = allowed & document_mask(documents[:, half * n:(half + 1) * n], full_docs[:, :end],
-                                                  causal=False)
-            parts.append(F.scaled_dot_product_attention(rows, keys, values, attn_mask=allowed,
-                                                        enable_gqa=groups > 1))
+            rows = slice(half * n, (half + 1) * n)
+            # One cast per use: their gradients then meet at the fp32 ``full`` (summed in fp32).
+            keys, values = full[:, 0:1, :end].to(q.dtype), full[:, 1:2, :end].to(q.dtype)
+            q_docs = None if documents is None else documents[:, rows]
+            k_docs = None if full_docs is None else full_docs[:, :end]
+            parts.append(_ChunkAttention.apply(head_q[:, :, rows], keys, values, chunk, q_docs, k_docs))
         outs.append(torch.cat(parts, dim=2))
     return torch.cat(outs, dim=1)
 
