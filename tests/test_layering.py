@@ -1,6 +1,6 @@
 """The package layering: a module imports only from its own layer or the layers below it, never upward.
 
-    (errors, device, fsutil) -> config -> model -> optim -> data -> dist -> checkpoint -> eval -> train -> cli
+    (errors, device, fsutil) -> config -> model -> optim -> data -> dist -> checkpoint -> eval -> train -> aegis -> cli
 
 Every ``import zaya...`` / ``from zaya... import`` statement counts, including those inside functions (imported
 lazily or not, an upward import is a cycle in the design). The top-level package (``zaya.load_pretrained``) and
@@ -14,7 +14,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "zaya"
 LAYERS = [("errors", "device", "fsutil"), ("config",), ("model",), ("optim",), ("data",), ("dist",),
-          ("checkpoint",), ("eval",), ("train",), ("cli", "__init__", "__main__")]
+          ("checkpoint",), ("eval",), ("train",), ("aegis",), ("cli", "__init__", "__main__")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

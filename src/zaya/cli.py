@@ -19,12 +19,11 @@ from typing import Any, Sequence
 from zaya import errors
 
 # Verbs that only read and write files (no training or model step): a ValueError there is about their input.
-_FILE_VERBS = {"info", "export", "convert", "plot", "data"}
+_FILE_VERBS = {"info", "export", "convert", "plot", "data", "aegis", "chaos"}
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    from zaya.config import load_config
-
+def _train_overrides(args: argparse.Namespace) -> list[str]:
+    """The --set overrides of ``zaya train`` / ``zaya run``, with --run-dir, --max-steps and --device folded in."""
     overrides = list(args.set or [])
     if args.run_dir is not None:
         overrides.append(f"train.run_dir={json.dumps(args.run_dir)}")
@@ -32,12 +31,57 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"train.max_steps={args.max_steps}")
     if args.device is not None:
         overrides.append(f"train.device={json.dumps(args.device)}")
-    config = load_config(args.config, overrides)
+    return overrides
 
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from zaya.config import load_config
+
+    config = load_config(args.config, _train_overrides(args))
+
+    from zaya.aegis import trainer_callbacks
     from zaya.train.trainer import train
 
-    summary = train(config, resume=args.resume)
+    # Under `zaya run` the ranks write heartbeats and apply rewind directives (and chaos faults when asked).
+    summary = train(config, resume=args.resume, callbacks=trainer_callbacks())
     return errors.INTERRUPTED if summary.get("interrupted") else errors.FINISHED
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """``zaya run``: ``zaya train`` under torchrun, supervised by Aegis (docs/operations.md)."""
+    from zaya.aegis.supervisor import Launch, Supervisor
+    from zaya.config import load_config
+
+    overrides = _train_overrides(args)
+    config = load_config(args.config, overrides)
+    if args.chaos not in (None, "live") and not os.path.isfile(args.chaos):
+        raise errors.ConfigError(f"--chaos {args.chaos}: no such plan file (a JSON list of faults, or \"live\")")
+    nnodes = args.nnodes or os.environ.get("SLURM_NNODES", "1")
+    node_rank = args.node_rank if args.node_rank is not None else (
+        int(os.environ["SLURM_NODEID"]) if "SLURM_NODEID" in os.environ else None)
+    launch = Launch(config_path=os.path.abspath(args.config), train_args=[a for o in overrides for a in ("--set", o)],
+                    resume=args.resume, nproc_per_node=args.nproc_per_node, nnodes=str(nnodes), node_rank=node_rank,
+                    rdzv_endpoint=args.rdzv_endpoint or "", rdzv_backend=args.rdzv_backend,
+                    rdzv_id=args.rdzv_id or os.environ.get("SLURM_JOB_ID", ""),
+                    chaos=os.path.abspath(args.chaos) if args.chaos not in (None, "live") else args.chaos)
+    return Supervisor(config, launch, echo=not args.quiet).run()
+
+
+def _cmd_aegis_report(args: argparse.Namespace) -> int:
+    from zaya.aegis.events import format_report, summarise
+
+    report = summarise(args.run_dir)
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from zaya.aegis.chaos import request
+
+    options = {k: v for k, v in (("seconds", args.seconds), ("steps", args.steps), ("bytes", args.bytes),
+                                 ("log", args.log), ("device", args.device)) if v is not None}
+    print(request(args.run_dir, args.kind, args.rank, **options))
+    return 0
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -190,6 +234,10 @@ def _tree_parallel_runtime(args: argparse.Namespace):
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    if args.tasks:
+        return _eval_tasks(args)
+    if args.data is None:
+        raise errors.ConfigError("zaya eval needs --data DIR (perplexity) or --tasks NAMES (lm-evaluation-harness)")
     from zaya.data.bundle import PreparedDataset
     from zaya.data.loader import check_vocabulary
     from zaya.eval.perplexity import evaluate_loss
@@ -207,6 +255,51 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(f"{where} on {args.data} [{args.split}]: loss {result['loss']:.4f}, perplexity "
               f"{result['perplexity']:.3f} over {result['tokens']:,} tokens ({result['batches']} batches of "
               f"{args.batch_size} x {args.seq_len})")
+    return 0
+
+
+def _eval_tasks(args: argparse.Namespace) -> int:
+    """``zaya eval --tasks``: lm-evaluation-harness tasks on the serving engine (zaya.eval.harness)."""
+    import torch
+
+    from zaya.device import autocast
+    from zaya.eval.harness import evaluate_tasks
+
+    model, tokenizer, where = _load(args, need_tokenizer=True)
+    tasks = [t for t in args.tasks.split(",") if t]
+    device = next(model.parameters()).device
+    with torch.no_grad(), autocast(device, args.dtype):
+        out = evaluate_tasks(model, tokenizer, tasks, include_path=args.include_path, limit=args.limit,
+                             num_fewshot=args.num_fewshot)
+    if out is None:
+        raise errors.ConfigError(f"lm-eval returned no results for {tasks}")
+    results = {"checkpoint": where, "tasks": out["results"]}
+    if args.json:
+        print(json.dumps(results, default=str))
+    else:
+        for task, metrics in out["results"].items():
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, (int, float))
+                              and not isinstance(v, bool))
+            print(f"{where} [{task}]: {shown}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """``zaya serve``: the OpenAI-compatible HTTP API on the serving engine (docs/serving.md)."""
+    from zaya.serve.server import serve
+
+    if args.slots < 1 or args.prefill_chunk < 1:
+        raise errors.ConfigError("--slots and --prefill-chunk must be >= 1")
+    model, tokenizer, where = _load(args, need_tokenizer=True)
+    if args.dtype == "bfloat16":
+        import torch
+
+        model = model.to(torch.bfloat16)
+    name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    print(f"# serving {where} as {name!r} on http://{args.host}:{args.port} ({args.slots} slots of "
+          f"{model.config.max_seq_len} tokens)", file=sys.stderr)
+    serve(model, tokenizer, host=args.host, port=args.port, model_name=name, num_slots=args.slots,
+          prefill_chunk=args.prefill_chunk)
     return 0
 
 
@@ -266,17 +359,49 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser("train", help="train a model (one process, or under torchrun for many)",
                          description="Train per a TOML config. Under `torchrun --nproc-per-node N -m zaya train ...` "
                                      "every rank runs this command.")
-    p.add_argument("--config", required=True, metavar="PATH", help="TOML config, e.g. configs/tiny.toml")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a config value (TOML syntax), e.g. --set optim.lr=1e-3; repeatable")
-    p.add_argument("--run-dir", metavar="DIR", help="override train.run_dir")
-    p.add_argument("--max-steps", type=int, metavar="N", help="override train.max_steps")
-    p.add_argument("--device", metavar="DEVICE", help="override train.device: auto (default: the GPU of each rank "
-                                                       "when there is one), cpu, cuda or cuda:N")
-    p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
-                   help="auto: continue from the newest complete checkpoint in the run dir (default); never: "
-                        "start fresh (an existing run dir is moved aside); PATH: a checkpoint or run directory")
+    _train_options(p)
     p.set_defaults(func=_cmd_train)
+
+    p = verbs.add_parser("run", help="train under torchrun, supervised by Aegis (detects and repairs faults)",
+                         description="Launch `zaya train` through torchrun on this node and supervise it: heartbeats, "
+                                     "exit codes, logs, system metrics; restarts, rewinds, exclusions per the [aegis] "
+                                     "policy; events in RUN_DIR/aegis/events.jsonl (docs/operations.md). One per node.")
+    _train_options(p)
+    p.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="ranks on this node (default 1)")
+    p.add_argument("--nnodes", metavar="N|MIN:MAX", help="nodes (default: $SLURM_NNODES or 1)")
+    p.add_argument("--node-rank", type=int, metavar="R", help="this node's rank (default: $SLURM_NODEID)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous endpoint of a multi-node job")
+    p.add_argument("--rdzv-backend", default="c10d", help="torchrun rendezvous backend (default c10d)")
+    p.add_argument("--rdzv-id", metavar="ID", help="rendezvous id (default: $SLURM_JOB_ID)")
+    p.add_argument("--chaos", metavar="PLAN|live", help="inject the faults of a chaos plan (JSON), or accept only "
+                                                        "`zaya chaos inject` requests (live)")
+    p.add_argument("--quiet", action="store_true", help="do not echo the ranks' output (it is in RUN_DIR/aegis/)")
+    p.set_defaults(func=_cmd_run)
+
+    p = verbs.add_parser("aegis", help="Aegis tools: report a supervised run")
+    aegis = p.add_subparsers(dest="aegis_verb", required=True, metavar="AEGIS_VERB")
+    p = aegis.add_parser("report", help="summarise a supervised run's events: faults, actions, detect/recover "
+                                        "times, steps redone, ETTR")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory trained under `zaya run`")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_aegis_report)
+
+    p = verbs.add_parser("chaos", help="inject faults into runs (testing Aegis)")
+    chaos = p.add_subparsers(dest="chaos_verb", required=True, metavar="CHAOS_VERB")
+    p = chaos.add_parser("inject", help="inject one fault into a live `zaya run` now",
+                         description="kill/hang signal the rank; xid/ecc/link_down/oom append a line to --log; the "
+                                     "others are picked up by the rank after its next step (needs `zaya run --chaos`)")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    from zaya.aegis.chaos import KINDS
+
+    p.add_argument("kind", choices=KINDS)
+    p.add_argument("--rank", type=int, default=0, help="global rank (default 0)")
+    p.add_argument("--seconds", type=float, help="slow/stall: seconds")
+    p.add_argument("--steps", type=int, help="slow: steps")
+    p.add_argument("--bytes", type=int, help="disk_full: the file-size limit")
+    p.add_argument("--log", help="xid/ecc/link_down/oom: the watched log to append to")
+    p.add_argument("--device", help="xid/ecc: the device id in the line (default cpu:RANK)")
+    p.set_defaults(func=_cmd_chaos)
 
     p = verbs.add_parser("info", help="parameter counts and FLOPs of a config's model")
     p.add_argument("--config", required=True, metavar="PATH", help="TOML config, e.g. configs/zaya1-base.toml")
@@ -335,9 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "processes with torchrun; N must be the world size; rank 0 prints)")
     p.set_defaults(func=_cmd_generate)
 
-    p = verbs.add_parser("eval", help="validation loss and perplexity of a checkpoint on a prepared dataset")
+    p = verbs.add_parser("eval", help="perplexity on a prepared dataset, or lm-evaluation-harness tasks")
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="as for generate")
-    p.add_argument("--data", required=True, metavar="DIR", help="a dataset written by `zaya data prepare`")
+    p.add_argument("--data", metavar="DIR", help="a dataset written by `zaya data prepare` (perplexity)")
+    p.add_argument("--tasks", metavar="NAMES", help="comma-separated lm-evaluation-harness tasks (instead of --data)")
+    p.add_argument("--include-path", metavar="DIR", help="directory of extra task YAML files for --tasks")
+    p.add_argument("--limit", type=int, metavar="N", help="--tasks: at most N documents per task")
+    p.add_argument("--num-fewshot", type=int, metavar="N", help="--tasks: few-shot examples")
     p.add_argument("--split", default="val", help="split to evaluate (default val)")
     p.add_argument("--seq-len", type=int, default=512, metavar="N")
     p.add_argument("--batch-size", type=int, default=8, metavar="N")
@@ -347,6 +476,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=_cmd_eval)
+
+    p = verbs.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                         description="/v1/completions, /v1/chat/completions (streaming), /v1/models, /health on "
+                                     "the continuous-batching engine (docs/serving.md).")
+    p.add_argument("--checkpoint", required=True, metavar="PATH", help="as for generate")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the checkpoint's name)")
+    p.add_argument("--slots", type=int, default=16, metavar="N", help="concurrent sequences (default 16)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="prompt tokens per prefill chunk between decode steps (default 512)")
+    p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: the one beside the checkpoint)")
+    p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"), help="weights (default float32)")
+    p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
+    p.set_defaults(func=_cmd_serve)
 
     p = verbs.add_parser("data", help="prepare and inspect tokenized datasets")
     data = p.add_subparsers(dest="data_verb", required=True, metavar="DATA_VERB")
@@ -384,6 +528,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
     p.set_defaults(func=_cmd_data_inspect)
     return parser
+
+
+def _train_options(p: argparse.ArgumentParser) -> None:
+    """The options ``zaya train`` and ``zaya run`` share."""
+    p.add_argument("--config", required=True, metavar="PATH", help="TOML config, e.g. configs/tiny.toml")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config value (TOML syntax), e.g. --set optim.lr=1e-3; repeatable")
+    p.add_argument("--run-dir", metavar="DIR", help="override train.run_dir")
+    p.add_argument("--max-steps", type=int, metavar="N", help="override train.max_steps")
+    p.add_argument("--device", metavar="DEVICE", help="override train.device: auto (default: the GPU of each rank "
+                                                       "when there is one), cpu, cuda or cuda:N")
+    p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
+                   help="auto: continue from the newest complete checkpoint in the run dir (default); never: "
+                        "start fresh (an existing run dir is moved aside); PATH: a checkpoint or run directory")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

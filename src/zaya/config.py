@@ -17,8 +17,8 @@ from typing import Any, get_type_hints
 
 from zaya.errors import ConfigError
 
-__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "StageConfig",
-           "TrainConfig", "config_differences", "load_config", "resumable"]
+__all__ = ["AegisConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
+           "StageConfig", "TrainConfig", "config_differences", "load_config", "resumable"]
 
 
 def resumable(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
@@ -365,6 +365,100 @@ class CheckpointConfig:
 
 
 @dataclass
+class AegisConfig:
+    """Aegis, the supervisor of ``zaya run`` ([aegis]): how long silence may last before a rank counts as hung,
+    what each detector's finding leads to (the policy table: restart, rewind, exclude, backoff, alert, give_up),
+    and when repeated faults end the run with a diagnosis. docs/operations.md describes every rule."""
+
+    poll_s: float = resumable(1.0)
+    """Seconds between two looks at the heartbeats, logs and system metrics (detection is at most this late)."""
+    heartbeat_timeout_s: float = resumable(300.0)
+    """A rank in phase "train" whose heartbeat is older than this is hung (one step should never take as long)."""
+    startup_timeout_s: float = resumable(900.0)
+    """The same for phase "startup" (imports, data, model build, checkpoint load) and a rank not yet heard from."""
+    checkpoint_timeout_s: float = resumable(1800.0)
+    """The same for phase "checkpoint" (a blocking save can take minutes on a large model)."""
+    eval_timeout_s: float = resumable(900.0)
+    """The same for phase "eval" (a validation pass)."""
+    max_repeats: int = resumable(3)
+    """Give up (with a diagnosis and the fault's exit code) when the same fault is seen more than this many times."""
+    backoff_s: float = resumable(10.0)
+    """First wait before relaunching after a transient network fault; doubled on every repeat."""
+    backoff_max_s: float = resumable(300.0)
+    """Longest wait of the exponential backoff."""
+    graceful_stop_s: float = resumable(60.0)
+    """A live job that must stop (to exclude a device, rewind) gets SIGTERM, so it checkpoints; SIGKILL after this."""
+    nic_flaps: int = resumable(2)
+    """NIC link-down lines within nic_window_s that make a finding (a single flap usually heals by itself)."""
+    nic_window_s: float = resumable(300.0)
+    """The window of nic_flaps."""
+    spike_window: int = resumable(128)
+    """Steps of the rolling loss statistics the spike rule compares against."""
+    spike_sigma: float = resumable(6.0)
+    """A loss above mean + spike_sigma x std of the window is a spike."""
+    spike_min_steps: int = resumable(16)
+    """Steps of history the spike rule needs before it judges."""
+    straggler_factor: float = resumable(2.0)
+    """A rank whose busy (CPU) time per step is above this many times the others' median is a straggler."""
+    straggler_beats: int = resumable(3)
+    """Consecutive heartbeats a rank must be an outlier before it is called a straggler."""
+    min_free_mb: float = resumable(1024.0)
+    """Free space under the run directory below which the disk counts as full (and a relaunch waits for space)."""
+    rewind_steps: int = resumable(0)
+    """rewind: resume from the newest checkpoint at least this many steps before the bad step."""
+    skip_steps: int = resumable(1)
+    """rewind: skip the batches of this many steps, starting with the bad one."""
+    lr_cut: float = resumable(1.0)
+    """rewind: multiply the learning rate by this for lr_cut_steps steps after the bad step (1.0 = no cut)."""
+    lr_cut_steps: int = resumable(0)
+    """rewind: how many steps the LR cut lasts."""
+    spares: int = resumable(0)
+    """Spare devices (slots) on this node beyond --nproc-per-node; exclude puts a spare in a bad device's place."""
+    min_nproc: int = resumable(1)
+    """exclude never shrinks a node below this many ranks (it gives up instead)."""
+    kernel_log: bool = resumable(True)
+    """Watch the kernel log (/dev/kmsg) for Xid/ECC/RAS and link lines where it is readable; skipped otherwise."""
+    watch_logs: list[str] = resumable(default_factory=list)
+    """More log files to watch with the same rules (e.g. a syslog copy, a BMC log)."""
+    on_rank_exit: str = resumable("restart")
+    """Action when a rank exits with an error of no more specific kind (70 internal, a signal, 5 checkpoint)."""
+    on_hang: str = resumable("restart")
+    """Action when a rank's heartbeat is older than its phase's timeout."""
+    on_collective: str = resumable("backoff")
+    """Action on a collective timeout or lost peer (NCCL/RCCL/gloo messages, exit code 6)."""
+    on_gpu_error: str = resumable("exclude")
+    """Action on an uncorrectable ECC / Xid / amdgpu RAS event."""
+    on_nic: str = resumable("backoff")
+    """Action on repeated NIC link flaps."""
+    on_oom: str = resumable("restart")
+    """Action on an out-of-memory error."""
+    on_nonfinite: str = resumable("rewind")
+    """Action on a non-finite loss or gradient norm (exit code 4)."""
+    on_loss_spike: str = resumable("rewind")
+    """Action on a loss spike."""
+    on_straggler: str = resumable("alert")
+    """Action on a straggler rank ("exclude" takes it out of the job)."""
+    on_disk_full: str = resumable("restart")
+    """Action on a full disk or a file-size limit hit (the relaunch first waits for min_free_mb)."""
+
+    def __post_init__(self) -> None:
+        actions = ("restart", "rewind", "exclude", "backoff", "alert", "give_up")
+        for f in fields(self):
+            if f.name.startswith("on_") and getattr(self, f.name) not in actions:
+                raise ConfigError(f"aegis.{f.name} = {getattr(self, f.name)!r}: must be one of "
+                                  + ", ".join(f'"{a}"' for a in actions))
+        for key in ("poll_s", "heartbeat_timeout_s", "startup_timeout_s", "checkpoint_timeout_s", "eval_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"aegis.{key} = {getattr(self, key)!r}: must be > 0 (seconds)")
+        for key in ("max_repeats", "rewind_steps", "skip_steps", "lr_cut_steps", "spares", "nic_flaps",
+                    "spike_min_steps", "straggler_beats"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"aegis.{key} = {getattr(self, key)!r}: must be >= 0")
+        if self.min_nproc < 1 or not 0 < self.lr_cut <= 1:
+            raise ConfigError("aegis.min_nproc must be >= 1 and aegis.lr_cut in (0, 1]")
+
+
+@dataclass
 class StageConfig:
     """One phase of training ([[stages]]), as in ZAYA1's 4k web -> 4k code/math -> 32k long-context recipe."""
 
@@ -454,6 +548,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     stages: list[StageConfig] = field(default_factory=list)
+    aegis: AegisConfig = field(default_factory=AegisConfig)
 
     def __post_init__(self) -> None:
         for i, stage in enumerate(self.stages):
@@ -557,9 +652,10 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     if not isinstance(stages_raw, list):
         raise ConfigError(f"{source}: [[stages]] must be an array of tables")
     stages = [_build(StageConfig, t, f"{source} [[stages]][{i}]") for i, t in enumerate(stages_raw)]
+    aegis = _build(AegisConfig, data.get("aegis", {}), f"{source} [aegis]")
     try:
         return Config(model=model, data=data_config, optim=optim, train=train, checkpoint=checkpoint,
-                      stages=stages)
+                      stages=stages, aegis=aegis)
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None
 

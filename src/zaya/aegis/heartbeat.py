@@ -1,0 +1,143 @@
+"""Per-rank heartbeats: a trainer callback writes a small JSON file per rank (``heartbeat/rank-NNNNN.json`` in the
+Aegis directory), atomically (write, then rename), at start-up, after every step, around evaluations and saves,
+and when the rank ends. The supervisor reads them to see progress (a hang is a heartbeat too old for its phase),
+step times and losses per rank, the rank's pid and device, and how each rank ended (its exit code).
+
+A heartbeat says which phase comes next, so the supervisor applies the right timeout: after the step that an
+evaluation or a checkpoint follows, the phase is already "eval" or "checkpoint" (the trainer's loop order:
+step, on_step_end, evaluation, save).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from zaya.errors import exit_code_of
+from zaya.train.callbacks import Callback
+
+PHASES = ("startup", "train", "checkpoint", "eval")
+"""Phases of a live rank; a rank that ended has phase "exited" and an ``exit_code``."""
+
+
+def heartbeat_dir(aegis: Path) -> Path:
+    return Path(aegis) / "heartbeat"
+
+
+def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
+    """Write-then-rename without fsync: a heartbeat must survive the writer's crash (never a torn file), not a
+    power cut, and an fsync per step would cost more than the heartbeat is worth."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)
+
+
+def device_id(device: Any) -> str:
+    """The id a kernel log line names the rank's device by: the PCI bus id on CUDA/ROCm, ``cpu:<local rank>`` on
+    a CPU (so a test line can name a CPU rank the way an Xid line names a GPU)."""
+    try:
+        import torch
+
+        if getattr(device, "type", "") == "cuda":
+            p = torch.cuda.get_device_properties(device)
+            return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}"
+    except Exception:  # noqa: BLE001 - an unknown id only weakens the device mapping of a hardware finding
+        pass
+    return f"cpu:{os.environ.get('LOCAL_RANK', '0')}"
+
+
+class Heartbeat(Callback):
+    """Writes this rank's heartbeat; see the module docstring."""
+
+    def __init__(self, aegis: Path):
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.path = heartbeat_dir(aegis) / f"rank-{self.rank:05d}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.doc: dict[str, Any] = {"rank": self.rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+                                    "pid": os.getpid(), "host": socket.gethostname(),
+                                    "attempt": int(os.environ.get("ZAYA_AEGIS_ATTEMPT", "0")), "step": 0,
+                                    "loss": None, "step_time_s": None, "busy_s": None, "phase": "startup",
+                                    "device": None, "resumed_step": None, "resumed_source": None}
+        self._cpu = time.process_time()
+        self._busy: deque[float] = deque(maxlen=8)
+        self.beat("startup")
+
+    def beat(self, phase: str, **fields: Any) -> None:
+        self.doc.update(fields, phase=phase, time=time.time())
+        try:
+            write_json_atomic(self.path, self.doc)
+        except OSError:  # a full disk must not kill training; the supervisor sees the heartbeat go stale
+            pass
+
+    def _next_phase(self, trainer, step: int) -> str:
+        tc, ck = trainer.config.train, trainer.config.checkpoint
+        if step >= tc.max_steps:
+            return "eval"  # the final validation, then the final save
+        if tc.eval_every and step % tc.eval_every == 0:
+            return "eval"
+        if ck.every and step % ck.every == 0:
+            return "checkpoint"
+        return "train"
+
+    def on_start(self, trainer) -> None:
+        resumed = trainer.resumed_from or {}
+        first_eval = trainer.progress.step == 0 and trainer.config.train.eval_every > 0
+        self._cpu = time.process_time()
+        self.beat("eval" if first_eval else "startup", step=trainer.progress.step,
+                  device=device_id(trainer.runtime.device), resumed_step=resumed.get("step"),
+                  resumed_source=resumed.get("source"), world_size=trainer.runtime.world_size)
+
+    def on_step_end(self, trainer, record: dict[str, Any]) -> None:
+        cpu = time.process_time()
+        busy, self._cpu = cpu - self._cpu, cpu
+        self._busy.append(round(busy, 4))
+        loss = record.get("loss")
+        self.beat(self._next_phase(trainer, record["step"]), step=record["step"],
+                  loss=loss if loss is None or loss == loss and abs(loss) != float("inf") else str(loss),
+                  step_time_s=record.get("step_time_s"), busy_s=busy, busy_recent=list(self._busy), skipped=bool(record.get("skipped")))
+
+    def on_evaluation(self, trainer, record: dict[str, Any]) -> None:
+        step, ck = record["step"], trainer.config.checkpoint
+        due = step >= trainer.config.train.max_steps or (ck.every and step % ck.every == 0 and step > 0)
+        self.beat("checkpoint" if due else "train", val_loss=record.get("val_loss"))
+        self._cpu = time.process_time()
+
+    def on_save(self, trainer, step: int, reason: str) -> None:
+        final = reason != "periodic"
+        self.beat("checkpoint" if final else "train", saved_step=step)
+        self._cpu = time.process_time()
+
+    def on_stop(self, trainer, summary: dict[str, Any]) -> None:
+        self.beat("exited", exit_code=0 if summary.get("finished") else 75, step=trainer.progress.step)
+
+    def on_error(self, trainer, error: BaseException) -> None:
+        text = str(error).strip().splitlines()
+        self.beat("exited", exit_code=exit_code_of(error) if isinstance(error, Exception) else 130,
+                  error=f"{type(error).__name__}: {text[0] if text else ''}"[:500])
+
+
+def read_heartbeats(aegis: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's newest heartbeat, by rank (a file being replaced is simply read on the next look)."""
+    out: dict[int, dict[str, Any]] = {}
+    directory = heartbeat_dir(aegis)
+    if not directory.is_dir():
+        return out
+    for path in directory.glob("rank-*.json"):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        out[int(doc["rank"])] = doc
+    return out
+
+
+def clear_heartbeats(aegis: Path) -> None:
+    """Before a relaunch: the old attempt's heartbeats must not be mistaken for the new one's."""
+    directory = heartbeat_dir(aegis)
+    for path in directory.glob("*.json") if directory.is_dir() else []:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,430 @@
+"""``zaya run``: launch training through torchrun's own launcher (the elastic agent), watch it, repair it.
+
+One supervisor per node (under Slurm or Kubernetes: one per node's task or pod). Each look (``aegis.poll_s``)
+builds an ``Observation`` (heartbeats, output lines, watched logs and the kernel log, new metrics records, the
+ranks' process states, free disk) and runs the detectors; the root-cause finding goes to the policy, and the
+decision is carried out and recorded in ``events.jsonl`` with its evidence. A relaunch is a new torchrun (attempt
+N+1); the trainer resumes from the newest good checkpoint, from the RAM tier when the newest disk checkpoint is
+mirrored there. torchrun itself never restarts workers (``--max-restarts 0``): every restart is a decision here.
+
+Figures kept per decision: time to detect (from the fault's best-known start: the stuck rank's last heartbeat,
+the failed rank's exit, the log line), time to recover (until every rank of the relaunch has trained a step past
+the one it resumed at), steps redone; at the end ETTR = productive step time (the kept timeline's step times) /
+wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from zaya import errors
+from zaya.aegis import AEGIS_DIR_ENV, ATTEMPT_ENV, CHAOS_ENV, aegis_dir
+from zaya.aegis.detectors import Finding, Line, Observation, build_detectors, diagnose
+from zaya.aegis.directives import add_directive
+from zaya.aegis.events import EventLog
+from zaya.aegis.heartbeat import clear_heartbeats, read_heartbeats
+from zaya.aegis.policy import Decision, Policy
+from zaya.aegis.sources import GpuCounters, KernelLog, LogTail, disk_free_mb, process_status
+from zaya.config import Config
+
+_RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
+
+
+@dataclass
+class Launch:
+    """How to start the job on this node: ``zaya train`` arguments and torchrun's node/rendezvous options."""
+
+    config_path: str
+    train_args: list[str] = field(default_factory=list)
+    """Arguments for ``zaya train`` other than --config and --resume (``--set``, ``--max-steps``, ...)."""
+    resume: str = "auto"
+    nproc_per_node: int = 1
+    nnodes: str = "1"
+    node_rank: int | None = None
+    rdzv_endpoint: str = ""
+    rdzv_backend: str = "c10d"
+    rdzv_id: str = ""
+    chaos: str | None = None
+    """A chaos plan file (or "live": only ``zaya chaos inject`` requests) passed to the ranks as ZAYA_CHAOS."""
+
+
+class Supervisor:
+    def __init__(self, config: Config, launch: Launch, echo: bool = True):
+        self.config, self.cfg, self.launch, self.echo = config, config.aegis, launch, echo
+        self.run_dir = Path(config.train.run_dir)
+        self.aegis = aegis_dir(self.run_dir)
+        self.events: EventLog | None = None
+        self.policy = Policy(self.cfg)
+        self.detectors = build_detectors(self.cfg)
+        self.slots = list(range(launch.nproc_per_node))
+        self.spares = list(range(launch.nproc_per_node, launch.nproc_per_node + self.cfg.spares))
+        self.proc: subprocess.Popen | None = None
+        self.lines: "queue.Queue[Line]" = queue.Queue()
+        self.reader: threading.Thread | None = None
+        self.stop_signal: str = ""
+        self.metrics_offset = 0
+        self.on_gpu = False
+        self.nodes = int(str(launch.nnodes).split(":")[-1])
+
+    # --- the loop -------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        from zaya.train.run_dir import prepare_run_dir
+
+        start = time.time()
+        # The trainer's own check, done first here: the Aegis directory then lives in a valid run directory, a
+        # config mismatch fails before anything is launched, and --resume never moves the old run aside once.
+        if self.launch.node_rank in (None, 0):
+            prepare_run_dir(self.run_dir, self.config, self.launch.resume, self._say)
+        self.aegis.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(self.aegis)
+        resume = "auto" if self.launch.resume == "never" else self.launch.resume
+        tails = [LogTail(p) for p in self.cfg.watch_logs]
+        kernel = KernelLog() if self.cfg.kernel_log else None
+        gpus = GpuCounters()
+        self.events.add(kind="start", host=socket.gethostname(), nproc=len(self.slots), nnodes=self.launch.nnodes,
+                        kernel_log=kernel.available if kernel else False,
+                        kernel_log_note=(kernel.why if kernel else "aegis.kernel_log = false"),
+                        gpu_counters=gpus.kind or gpus.why, watch_logs=self.cfg.watch_logs)
+        self._install_signals()
+        attempt, pending = self._next_attempt(), None
+        try:
+            while True:
+                launched = self._start(attempt, resume)
+                result = self._watch(attempt, launched, tails, kernel, gpus, pending)
+                if result is None:
+                    return self._finish(start, "finished", errors.FINISHED)
+                finding, decision, event, last_step = result
+                if decision.action == "give_up":
+                    self._kill()
+                    event["outcome"] = "gave up"
+                    self.events.flush()
+                    return self._finish(start, "gave up", decision.exit_code or errors.INTERNAL_ERROR,
+                                        diagnosis=f"{finding.detector}: {finding.evidence[0]} ({decision.reason})")
+                if finding.detector == "stop":
+                    return self._finish(start, "stopped", errors.INTERRUPTED)
+                resume, reason = self._repair(finding, decision, event)
+                if resume is None:
+                    event["outcome"] = "gave up"
+                    self.events.flush()
+                    return self._finish(start, "gave up", finding.exit_code, diagnosis=reason)
+                event.update(outcome="relaunching", relaunch_resume=resume, repair=reason, last_step=last_step)
+                self.events.flush()
+                pending = event
+                attempt += 1
+        finally:
+            self._kill()
+            if kernel:
+                kernel.close()
+
+    def _next_attempt(self) -> int:
+        """Attempts count on across supervisor restarts (a chaos plan names attempts)."""
+        return 1 + max((e.get("attempt", -1) for e in self.events.events if e.get("kind") == "launch"), default=-1)
+
+    def _start(self, attempt: int, resume: str) -> float:
+        clear_heartbeats(self.aegis)
+        cmd = self._command(resume)
+        env = {**os.environ, AEGIS_DIR_ENV: str(self.aegis), ATTEMPT_ENV: str(attempt), "PYTHONUNBUFFERED": "1"}
+        if self.launch.chaos:
+            env[CHAOS_ENV] = self.launch.chaos
+        if self.on_gpu and self.slots != list(range(self.launch.nproc_per_node)):
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            physical = visible.split(",") if visible else [str(i) for i in range(256)]
+            env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = ",".join(physical[s] for s in self.slots)
+        log = open(self.aegis / f"attempt-{attempt:03d}.log", "w", encoding="utf-8")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     start_new_session=True, bufsize=1, errors="replace")
+        self.lines = queue.Queue()
+        self.reader = threading.Thread(target=self._read_output, args=(self.proc, log, self.lines), daemon=True)
+        self.reader.start()
+        self.events.add(kind="launch", attempt=attempt, resume=resume, nproc=len(self.slots), slots=self.slots,
+                        command=cmd)
+        self._say(f"aegis: attempt {attempt}: {len(self.slots)} rank(s) on this node, resume {resume}")
+        return time.time()
+
+    def _command(self, resume: str) -> list[str]:
+        L = self.launch
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(len(self.slots)),
+               "--max-restarts", "0", "--tee", "3", "--monitor-interval", "0.5"]
+        if self.nodes > 1 or L.rdzv_endpoint:
+            cmd += ["--nnodes", str(L.nnodes), "--rdzv-backend", L.rdzv_backend, "--rdzv-endpoint", L.rdzv_endpoint,
+                    "--rdzv-id", L.rdzv_id or "zaya"]
+            if L.node_rank is not None and L.rdzv_backend == "static":
+                cmd += ["--node-rank", str(L.node_rank)]
+        else:
+            cmd += ["--standalone"]
+        return cmd + ["-m", "zaya", "train", "--config", L.config_path, *L.train_args, "--resume", resume]
+
+    def _read_output(self, proc: subprocess.Popen, log, out: "queue.Queue[Line]") -> None:
+        with log:
+            for text in proc.stdout:
+                log.write(text)
+                log.flush()
+                if self.echo:
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+                m = _RANK_PREFIX.match(text)
+                out.put(Line(time.time(), "output", text.rstrip("\n"), int(m.group(1)) if m else None))
+
+    def _watch(self, attempt: int, launched: float, tails, kernel, gpus, pending):
+        """Look until the job finishes (None) or a finding needs an action: (finding, decision, event, step)."""
+        seen: list[Line] = []
+        world = len(self.slots) * self.nodes
+        noted: set[str] = set()
+        while True:
+            time.sleep(self.cfg.poll_s)
+            now = time.time()
+            code = self.proc.poll()
+            if code is not None:
+                self.reader.join(timeout=10)  # every line of the failure report is read before judging
+            new = self._drain()
+            for source in tails + ([kernel] if kernel else []) + [gpus]:
+                new += source.read()
+            seen += new
+            beats = {r: hb for r, hb in read_heartbeats(self.aegis).items() if hb.get("attempt") == attempt}
+            self.on_gpu = self.on_gpu or any(not str(hb.get("device") or "cpu").startswith("cpu")
+                                             for hb in beats.values())
+            if pending is not None and self._recovered(pending, beats, world, now):
+                pending = None
+            obs = Observation(now=now, launched_at=launched, world_size=world, heartbeats=beats, lines=seen,
+                              new_lines=new, metrics=self._new_metrics(), ended=code is not None,
+                              job_exit_code=code,
+                              process_status=process_status({r: hb["pid"] for r, hb in beats.items()
+                                                             if hb.get("host") == socket.gethostname()}),
+                              disk_free_mb=disk_free_mb(self.run_dir))
+            if self.stop_signal:
+                self._stop_gracefully()
+                return Finding("stop", "stop", [f"the supervisor got {self.stop_signal}"], "rank_exit"), \
+                    Decision("stop", "signal", 0), {}, None
+            for finding in diagnose(self.detectors, obs):
+                decision = self.policy.decide(finding)
+                if decision.action == "alert":
+                    key = f"{finding.fault}|{finding.evidence[0]}"
+                    if key in noted:
+                        continue
+                    noted.add(key)
+                last_step = max((hb.get("step", 0) for hb in beats.values()), default=0)
+                event = self.events.add(kind="decision", attempt=attempt, detector=finding.detector,
+                                        fault=finding.fault, evidence=finding.evidence, action=decision.action,
+                                        reason=decision.reason, rank=finding.rank, step=finding.step,
+                                        device=finding.device, repeat=decision.repeat,
+                                        time_to_detect_s=round(now - finding.since, 3) if finding.since else None,
+                                        outcome="noted" if decision.action == "alert" else "pending")
+                self._say(f"aegis: {finding.detector} -> {decision.action}: {finding.evidence[0]}")
+                if decision.action == "alert":
+                    continue
+                if pending is not None:
+                    pending.update(outcome="not recovered (failed again)")
+                    self.events.flush()
+                return finding, decision, event, last_step
+            if code is not None:
+                if pending is not None:
+                    self._recovered(pending, beats, world, now, final=True)
+                return None
+
+    def _drain(self) -> list[Line]:
+        out = []
+        while True:
+            try:
+                out.append(self.lines.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _new_metrics(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        with open(path, "rb") as fh:
+            fh.seek(self.metrics_offset)
+            data = fh.read()
+        end = data.rfind(b"\n") + 1
+        self.metrics_offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def _recovered(self, event: dict, beats: dict, world: int, now: float, final: bool = False) -> bool:
+        """Whether every rank of the relaunch has trained past its resume step; fills in the event's figures."""
+        if len(beats) < world:
+            return False
+        resumed = [hb.get("resumed_step") or 0 for hb in beats.values()]
+        done = all(hb.get("step", 0) > (hb.get("resumed_step") or 0) or hb.get("exit_code") == 0
+                   for hb in beats.values())
+        if not done:
+            return False
+        resumed_step = min(resumed)
+        sources = sorted({str(hb.get("resumed_source")) for hb in beats.values()})
+        event.update(outcome="recovered", time_to_recover_s=round(now - event["time"], 3),
+                     resumed_step=resumed_step, resumed_from=",".join(sources),
+                     steps_redone=max(0, (event.get("last_step") or 0) - resumed_step))
+        self.events.flush()
+        self._say(f"aegis: recovered from {event['detector']} in {now - event['time']:.1f} s (resumed at step "
+                  f"{resumed_step} from {','.join(sources)}, {event['steps_redone']} step(s) redone)")
+        return True
+
+    # --- actions --------------------------------------------------------------------------------------------
+    def _repair(self, finding: Finding, decision: Decision, event: dict) -> tuple[str | None, str]:
+        """Carry out a decision on the job; returns (the next launch's --resume, what was done), or (None, why)
+        when it cannot be done (then the run gives up)."""
+        action = decision.action
+        if action == "exclude":
+            self._stop_gracefully()
+            return self._exclude(finding)
+        self._kill()
+        if action == "backoff":
+            self._say(f"aegis: backing off {decision.wait_s:g} s before relaunching")
+            time.sleep(decision.wait_s)
+        if finding.detector == "disk_full" and not self._wait_for_space():
+            return None, (f"the disk under {self.run_dir} stays below aegis.min_free_mb = {self.cfg.min_free_mb:g} "
+                          "MB free: free space, then run the same command again")
+        if action == "rewind":
+            return self._rewind(finding)
+        return "auto", f"{action}: relaunch from the newest good checkpoint"
+
+    def _rewind(self, finding: Finding) -> tuple[str, str]:
+        from zaya.checkpoint.store import STEP_DIR, list_checkpoints
+
+        if finding.step is None:
+            return "auto", "rewind without a known bad step: relaunch from the newest good checkpoint"
+        cfg = self.cfg
+        added = add_directive(self.aegis, bad_step=finding.step, skip_steps=cfg.skip_steps, lr_cut=cfg.lr_cut,
+                              lr_cut_steps=cfg.lr_cut_steps)
+        limit = finding.step - 1 - cfg.rewind_steps
+        ckpts = self.run_dir / "checkpoints"
+        older = [p for p in list_checkpoints(ckpts) if int(STEP_DIR.match(p.name).group(1)) <= limit]
+        what = f"rewind to step <= {limit}, directives {added or 'already recorded'}"
+        if older:
+            return str(older[-1]), f"{what}: resume from {older[-1].name}"
+        for p in list_checkpoints(ckpts):  # none old enough: start over, keeping the newer ones aside
+            p.rename(p.with_name(f"abandoned-{p.name}"))
+        return "auto", f"{what}: no checkpoint that old, start from step 0"
+
+    def _exclude(self, finding: Finding) -> tuple[str | None, str]:
+        beats = read_heartbeats(self.aegis)
+        hb = beats.get(finding.rank) if finding.rank is not None else None
+        if hb is not None and hb.get("host") not in (None, socket.gethostname()):
+            return "auto", f"the bad device is on {hb['host']} (its supervisor excludes it); relaunch here"
+        local = hb.get("local_rank") if hb else None
+        slot = self.slots[local] if local is not None and local < len(self.slots) else self.slots[-1]
+        self.slots.remove(slot)
+        how = f"slot {slot} excluded"
+        if self.spares:
+            spare = self.spares.pop(0)
+            self.slots.append(spare)
+            self.slots.sort()
+            how += f", spare {spare} takes its place"
+        if len(self.slots) < self.cfg.min_nproc:
+            return None, f"{how}: {len(self.slots)} rank(s) left < aegis.min_nproc = {self.cfg.min_nproc}"
+        return "auto", f"{how}: continue on {len(self.slots)} rank(s) (the checkpoint reshards)"
+
+    def _wait_for_space(self) -> bool:
+        deadline = time.time() + self.cfg.backoff_max_s
+        while True:
+            free = disk_free_mb(self.run_dir)
+            if free is None or free >= self.cfg.min_free_mb:
+                return True
+            if time.time() > deadline:
+                return False
+            time.sleep(self.cfg.poll_s)
+
+    def _workers(self) -> list[psutil.Process]:
+        procs = []
+        if self.proc is not None:
+            try:
+                procs = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        for hb in read_heartbeats(self.aegis).values():
+            if hb.get("host") == socket.gethostname() and hb.get("pid") not in [p.pid for p in procs]:
+                try:
+                    procs.append(psutil.Process(hb["pid"]))
+                except psutil.NoSuchProcess:
+                    pass
+        return procs
+
+    def _stop_gracefully(self) -> None:
+        """SIGTERM the ranks (each finishes its step and checkpoints, exit 75); SIGKILL what is left after
+        aegis.graceful_stop_s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self._kill()
+        for p in self._workers():
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            self.proc.wait(timeout=self.cfg.graceful_stop_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self._kill()
+
+    def _kill(self) -> None:
+        """SIGKILL the launcher and every worker (each worker leads its own session: torchrun starts them so)."""
+        if self.proc is None:
+            return
+        for p in self._workers() + [psutil.Process(self.proc.pid)] if self.proc.poll() is None else self._workers():
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+            pass
+        if self.reader is not None:
+            self.reader.join(timeout=10)
+
+    def _install_signals(self) -> None:
+        def handle(signum, frame):
+            self.stop_signal = signal.Signals(signum).name
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                signal.signal(sig, handle)
+            except ValueError:  # not the main thread (a test driving the supervisor from a thread)
+                pass
+
+    def _finish(self, start: float, outcome: str, code: int, diagnosis: str = "") -> int:
+        wall = time.time() - start
+        productive = productive_seconds(self.run_dir)
+        ettr = productive / wall if wall > 0 else None
+        self.events.add(kind="summary", outcome=outcome, exit_code=code, diagnosis=diagnosis or None,
+                        wall_s=round(wall, 3), productive_s=round(productive, 3),
+                        ettr=round(ettr, 4) if ettr is not None else None)
+        self._say(f"aegis: {outcome} (exit code {code}); ETTR {ettr:.3f}" + (f"; {diagnosis}" if diagnosis else ""))
+        return code
+
+    def _say(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+
+def productive_seconds(run_dir: Path) -> float:
+    """The kept timeline's step time: for each step the last record of it in metrics.jsonl (a redone step counts
+    once, as its final version), summed."""
+    path = Path(run_dir) / "metrics.jsonl"
+    steps: dict[int, float] = {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "train" and isinstance(rec.get("step_time_s"), (int, float)):
+            steps[rec["step"]] = rec["step_time_s"]
+    return sum(steps.values())
