@@ -1,6 +1,11 @@
 """The package layering: a module imports only from its own layer or the layers below it, never upward.
 
-    (errors, device, fsutil) -> config -> model -> optim -> data -> dist -> checkpoint -> eval -> train -> aegis -> cli
+    (errors, device, fsutil) -> config -> serve engine -> model -> optim -> data -> dist -> checkpoint -> eval
+    -> train -> aegis -> serve (HTTP) -> cli
+
+The serving package spans two layers: its engine modules (sampling, request, text, engine) drive a model only
+through the object they are given, so they sit below the model, which runs ``generate`` on them; its HTTP side
+(``zaya serve``: loading a checkpoint, the tokenizer, FastAPI) sits above everything but the cli.
 
 Every ``import zaya...`` / ``from zaya... import`` statement counts, including those inside functions (imported
 lazily or not, an upward import is a cycle in the design). The top-level package (``zaya.load_pretrained``) and
@@ -13,14 +18,18 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "zaya"
-LAYERS = [("errors", "device", "fsutil"), ("config",), ("model",), ("optim",), ("data",), ("dist",),
-          ("checkpoint",), ("eval",), ("train",), ("aegis",), ("cli", "__init__", "__main__")]
+SERVE_ENGINE = ("serve.sampling", "serve.request", "serve.text", "serve.engine")
+LAYERS = [("errors", "device", "fsutil"), ("config",), SERVE_ENGINE, ("model",), ("optim",), ("data",), ("dist",),
+          ("checkpoint",), ("eval",), ("train",), ("aegis",), ("serve",), ("cli", "__init__", "__main__")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
 def layer_of(module: str) -> str:
-    """'zaya.model.moe' -> 'model'; 'zaya' -> '__init__'."""
+    """'zaya.model.moe' -> 'model'; 'zaya' -> '__init__'; 'zaya.serve.engine' -> 'serve.engine' (an engine
+    module), 'zaya.serve.server' -> 'serve'."""
     parts = module.split(".")
+    if len(parts) > 2 and ".".join(parts[1:3]) in SERVE_ENGINE:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "__init__"
 
 
@@ -66,3 +75,13 @@ def test_no_module_imports_from_a_layer_above_its_own():
 def test_the_model_never_imports_the_checkpoint_package():
     for path in (SRC / "model").rglob("*.py"):
         assert not [t for _, t in zaya_imports(path) if t.startswith("zaya.checkpoint")], path
+
+
+def test_the_serving_engine_imports_no_model_code():
+    """The engine sits below the model (model.generate runs on it): it must reach the model only through the object
+    it is given, and must not pull in the web stack."""
+    for name in SERVE_ENGINE:
+        path = SRC / (name.replace(".", "/") + ".py")
+        for _, target in zaya_imports(path):
+            assert layer_of(target) in SERVE_ENGINE or RANK[layer_of(target)] < RANK["model"], (path, target)
+        assert "fastapi" not in path.read_text(), path

@@ -205,8 +205,6 @@ class Attention(nn.Module):
         if cache is not None:
             history = cache.conv_state.to(packed.dtype)
             first = cache.value_state.to(v_delayed.dtype)[:, None]
-            cache.conv_state = torch.cat((history, packed), dim=-1)[..., -self.conv_reach:].detach().clone()
-            cache.value_state = v_delayed[:, -1].detach().clone()
         else:
             history, first = self.seam.boundary(packed, v_delayed, self.conv_reach)
         mixed = self.seam.convolve(self._convolutions, packed, history)
@@ -214,6 +212,11 @@ class Attention(nn.Module):
         q = mixed_q.view(b, t, hq, hd) + q_mean
         k = mixed_k.view(b, t, hk, hd) + k_mean
         v = cca_value(v_current, self.seam.shift_values(v_delayed, first), hk, hd)
+        if cache is not None:
+            # In place (after the reads above: history and first may alias the state): the cache's tensors may be
+            # views into a serving engine's slot buffers (zaya.model.slots).
+            cache.conv_state.copy_(torch.cat((history, packed), dim=-1)[..., -self.conv_reach:])
+            cache.value_state.copy_(v_delayed[:, -1])
 
         # QK-norm to length sqrt(d); the per-KV-head temperature scales the keys. Under CUDA autocast the norm runs in
         # fp32 and so would the products; cast back to the compute dtype q and k had, so that RoPE, the cache and

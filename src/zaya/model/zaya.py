@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +15,9 @@ from zaya.model.attention import Attention, AttentionCache
 from zaya.model.layers import InputAffine, ResidualScale, RMSNorm, RotaryEmbedding
 from zaya.model.loss import cross_entropy
 from zaya.model.moe import MoEBlock
-
-EOS_CHECK_EVERY = 16
-"""``generate`` asks whether every row has emitted eos (a host read) once per this many decoded tokens."""
+# Sampling lives with the serving engine (one implementation for generate, the engine and tree decoding); the names
+# stay importable from here.
+from zaya.serve.sampling import EOS_CHECK_EVERY, check_sampling, decode_tokens, sample_next  # noqa: F401
 
 
 @dataclass
@@ -305,84 +304,24 @@ class ZayaForCausalLM(nn.Module):
         reaches p. A fixed ``seed`` makes sampling reproducible. Sequences that emit ``eos_token_id`` keep emitting
         it; decoding stops early once every row has (checked every ``EOS_CHECK_EVERY`` tokens). The prompt's ids are
         checked against the vocabulary (``check_input_ids``). Returns [B, T + max_new_tokens].
+
+        Runs on the serving engine (``zaya.serve.engine.Engine.generate_batch``): the same slot decoder and decode
+        step as ``zaya serve``, with the batch's rows sampled together through ``decode_tokens``.
         """
+        from zaya.serve.engine import Engine
+
         check_sampling(max_new_tokens, temperature, top_p)
         if max_new_tokens == 0:
             return input_ids
         self.check_input_ids(input_ids)
-        if attention_mask is not None and bool(attention_mask.bool().all()):
-            attention_mask = None  # one read per call: no padding, so the decode steps need no attention masks
         b, t = input_ids.shape
-        state = self.new_state(b, t + max_new_tokens)
-        logits = self(input_ids, attention_mask=attention_mask, state=state, logits_to_keep=1).logits[:, -1]
-        return decode_tokens(input_ids, logits, lambda token: self(token[:, None], state=state).logits[:, -1],
-                             max_new_tokens, temperature, top_k, top_p, seed, eos_token_id)
+        engine = Engine(self, num_slots=b, capacity=t + max_new_tokens)
+        return engine.generate_batch(input_ids, max_new_tokens, temperature, top_k, top_p, seed, attention_mask,
+                                     eos_token_id)
 
+    def slot_decoder(self, num_slots: int, capacity: int, dtype: torch.dtype | None = None):
+        """A ``zaya.model.slots.SlotDecoder``: decode state for ``num_slots`` independent sequences of up to
+        ``capacity`` tokens (what the serving engine schedules requests onto). Its packed weights are taken now."""
+        from zaya.model.slots import SlotDecoder
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float | None) -> None:
-    """Raise ValueError for sampling options ``generate`` (and the distributed decoders) cannot honour."""
-    if max_new_tokens < 0:
-        raise ValueError("max_new_tokens must be >= 0")
-    if temperature < 0:
-        raise ValueError("temperature must be >= 0")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError("top_p must be in (0, 1]")
-
-
-def decode_tokens(prompt: torch.Tensor, logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
-                  max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                  top_p: float | None = None, seed: int | None = None, eos_token_id: int | None = None,
-                  share: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """The sampling loop of ``generate``, apart from how a step is computed, so that a decoder whose cache lives
-    elsewhere (``zaya.dist.tree_decoding``) samples exactly as ``generate`` does.
-
-    prompt: [B, T]; logits: [B, V] the next-token logits after it; ``step(token [B])`` feeds one token per row and
-    returns the next logits. ``share(token)``, if given, returns the token every process is to use (a broadcast:
-    processes that decode together must feed the same tokens). Returns [B, T + max_new_tokens]."""
-    b, t = prompt.shape
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=prompt.device).manual_seed(seed)
-    done = torch.zeros(b, dtype=torch.bool, device=prompt.device)
-    new_tokens = []
-    for i in range(max_new_tokens):
-        token = sample_next(logits, temperature, top_k, top_p, generator)
-        if share is not None:
-            token = share(token)
-        if eos_token_id is not None:
-            token = torch.where(done, torch.full_like(token, eos_token_id), token)
-            done |= token == eos_token_id
-        new_tokens.append(token)
-        if i + 1 == max_new_tokens:
-            break
-        # Whether every row has finished is a host read: ask every EOS_CHECK_EVERY tokens, not every token. The
-        # output is the same: finished rows keep emitting eos, and a result cut short is padded with eos.
-        if eos_token_id is not None and (i + 1) % EOS_CHECK_EVERY == 0 and bool(done.all()):
-            break
-        logits = step(token)
-    out = torch.cat([prompt, torch.stack(new_tokens, dim=1)], dim=1)
-    if out.shape[1] < t + max_new_tokens:
-        pad = torch.full((b, t + max_new_tokens - out.shape[1]), eos_token_id, dtype=out.dtype, device=out.device)
-        out = torch.cat([out, pad], dim=1)
-    return out
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one token per row of ``logits`` [B, V]."""
-    logits = logits.float()
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens before it already reach top_p (the most likely one always stays).
-        drop = probs.cumsum(-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return SlotDecoder(self, num_slots, capacity, dtype)

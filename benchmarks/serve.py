@@ -1,0 +1,185 @@
+"""Serving benchmarks: (1) greedy ``model.generate`` (the engine) against transformers' ``ZayaForCausalLM.generate``
+on the tiny shape, same weights, same run, with outputs checked against the greedy argmax of one forward pass;
+(2) a bounded loopback load test of ``zaya serve`` (a fixed number of streaming requests from a few concurrent
+clients); (3) KV + CCA state bytes per token against an MHA model of the same width, from the configs.
+
+Run: ``PYTHONPATH=src python benchmarks/serve.py [--threads 1] [--skip-load] [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import torch
+
+
+def build_models(max_seq_len: int):
+    from transformers import ZayaConfig
+    from transformers import ZayaForCausalLM as HF
+
+    from zaya.config import load_config
+    from zaya.model import ZayaForCausalLM
+    from zaya.model.hf import hf_config_from_model_config, hf_state_dict
+
+    torch.manual_seed(0)
+    cfg = load_config("configs/tiny.toml").model
+    cfg = type(cfg)(**{**cfg.__dict__, "max_seq_len": max_seq_len})
+    model = ZayaForCausalLM(cfg).eval()
+    with torch.no_grad():  # off the init (so that routing and tokens vary), same weights for both
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    hc = ZayaConfig(**hf_config_from_model_config(cfg))
+    hc._attn_implementation = "sdpa"
+    hf = HF(hc).eval()
+    hf.load_state_dict(hf_state_dict(model), strict=False)
+    hf.tie_weights()
+    with torch.no_grad():  # transformers re-initialises the balancing biases: copy zaya's
+        for (name, buf) in model.named_buffers():
+            if name.endswith("balancing_biases"):
+                layer = int(name.split(".")[1])
+                hf.model.layers[layer].mlp.gate.balancing_biases.copy_(buf)
+    return model, hf
+
+
+def bench_generate(batch: int, prompt: int, new: int, repeats: int) -> dict:
+    model, hf = build_models(prompt + new + 64)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
+    runs = {"zaya": lambda: model.generate(ids, new, temperature=0),
+            "hf": lambda: hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)}
+    times = {k: [] for k in runs}
+    outs = {}
+    with torch.no_grad():
+        for name, fn in runs.items():
+            outs[name] = fn()  # warm-up
+        for _ in range(repeats):
+            for name, fn in runs.items():  # interleaved: both see the same machine load
+                t = time.perf_counter()
+                outs[name] = fn()
+                times[name].append(time.perf_counter() - t)
+        seq = outs["zaya"]
+        argmax = model(seq[:, :-1]).logits[:, prompt - 1:].argmax(-1)
+    zaya_s, hf_s = min(times["zaya"]), min(times["hf"])
+    return {"batch": batch, "prompt": prompt, "new_tokens": new, "zaya_s": zaya_s, "hf_s": hf_s,
+            "zaya_tok_s": batch * new / zaya_s, "hf_tok_s": batch * new / hf_s, "speedup": hf_s / zaya_s,
+            "zaya_equals_forward_argmax": bool(torch.equal(seq[:, prompt:], argmax)),
+            "zaya_equals_hf": bool(torch.equal(seq, outs["hf"])), "repeats": repeats}
+
+
+async def _client(url: str, jobs: asyncio.Queue, prompt: list[int], max_tokens: int, stats: list) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        while True:
+            try:
+                jobs.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            body = {"prompt": [prompt], "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                    "ignore_eos": True}
+            start = time.perf_counter()
+            stamps = []
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        stamps.append(time.perf_counter())
+            stats.append((start, stamps))
+
+
+def load_test(concurrency: list[int], requests_per_client: int, prompt_len: int, max_tokens: int) -> list[dict]:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from serve_helpers import ServerThread
+
+    from zaya.serve.engine import Engine
+    from zaya.serve.server import build_app
+
+    model, _ = build_models(prompt_len + max_tokens + 64)
+
+    class Tok:  # token ids in and out: the load test measures the engine and the API, not a tokenizer
+        def encode(self, text):
+            return [ord(c) % model.config.vocab_size for c in text]
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(65 + i % 26) for i in ids)
+
+        source = ""
+
+    tok = Tok()
+    engine = Engine(model, num_slots=max(concurrency), capacity=prompt_len + max_tokens + 8, decode=tok.decode)
+    prompt = torch.randint(3, model.config.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(2))
+    rows = []
+    with ServerThread(build_app(engine, tok, model_name="tiny")) as url:
+        for c in [1] + concurrency:  # the first pass warms up
+            jobs: asyncio.Queue = asyncio.Queue()
+            for _ in range(c * requests_per_client):
+                jobs.put_nowait(1)
+            stats: list = []
+
+            async def main():
+                await asyncio.gather(*[_client(url, jobs, prompt.tolist(), max_tokens, stats) for _ in range(c)])
+
+            t0 = time.perf_counter()
+            asyncio.run(main())
+            wall = time.perf_counter() - t0
+            ttft = sorted(s[1][0] - s[0] for s in stats)
+            gaps = sorted(b - a for _, st in stats for a, b in zip(st, st[1:]))
+            tokens = sum(len(st) for _, st in stats)
+            rows.append({"streams": c, "requests": len(stats), "wall_s": wall, "requests_per_s": len(stats) / wall,
+                         "tokens_per_s": tokens / wall, "ttft_p50_ms": 1e3 * _pct(ttft, 50),
+                         "ttft_p99_ms": 1e3 * _pct(ttft, 99), "token_p50_ms": 1e3 * _pct(gaps, 50),
+                         "token_p99_ms": 1e3 * _pct(gaps, 99)})
+    return rows[1:]
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def state_bytes(config_path: str, context: int = 4096, dtype_bytes: int = 2) -> dict:
+    """KV + CCA state per token (bf16) against MHA of the same width (K and V of hidden_size channels a layer)."""
+    from zaya.config import load_config
+
+    cfg = load_config(config_path).model
+    kv = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    reach = cfg.cca_depthwise_kernel - 1 + cfg.cca_grouped_kernel - 1
+    channels = (cfg.num_query_heads + cfg.num_kv_heads) * cfg.head_dim
+    fixed = cfg.num_layers * (channels * reach + cfg.num_kv_heads * cfg.head_dim // 2) * dtype_bytes
+    mha = cfg.num_layers * 2 * cfg.hidden_size * dtype_bytes
+    return {"config": config_path, "kv_bytes_per_token": kv, "fixed_state_bytes_per_sequence": fixed,
+            f"kv_plus_state_per_token_at_{context}": kv + fixed / context, "mha_same_width_bytes_per_token": mha,
+            "ratio_kv": mha / kv, f"ratio_with_state_at_{context}": mha / (kv + fixed / context)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-load", action="store_true")
+    ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="short runs (a smoke test of the script)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(json.dumps(state_bytes("configs/zaya1-base.toml")))
+    print(json.dumps(state_bytes("configs/tiny.toml", context=256)))
+    if not args.skip_generate:
+        for batch in (1, 8):
+            prompt, new = (32, 8) if args.quick else (512, 128)
+            print(json.dumps(bench_generate(batch, prompt, new, 1 if args.quick else args.repeats)), flush=True)
+    if not args.skip_load:
+        per_client, (p, m) = (1, (16, 4)) if args.quick else (4, (64, 32))
+        for row in load_test([1, 4, 16], per_client, p, m):
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Slot-based decode state for many independent sequences, and the batched one-token decode step over them.
+
+This is the model half of the serving engine (``zaya.serve.engine`` schedules requests onto slots; ``generate``
+runs on the same engine). A ``SlotDecoder`` owns, per layer, a KV cache of ``num_slots`` rows of ``capacity``
+positions plus the CCA convolution and value-shift state of every row, allocated once and reused by every request
+that takes the slot (nothing is re-allocated per request or per token).
+
+Why slots rather than one ``DecodeState`` per batch: sequences join and leave between steps (continuous batching),
+each at its own length. A prefill writes one slot (or a block of slots) through the ordinary cached forward, on a
+``DecodeState`` whose tensors are views into the slot buffers, in chunks of any size. A decode step feeds one token
+to each of the rows ``[0, n)`` at that row's own position: RoPE, the KV write and the attention mask are per row,
+so rows of different lengths share one forward. Rows in that range that are not decoding (free, or half-way
+through a chunked prefill) are "idle": their KV write goes to a scratch column past ``capacity`` that no query ever
+sees, and their CCA state is kept (``torch.where``), so a step never disturbs them.
+
+The decode step is a leaner copy of the forward for one token per row, because at one token the time goes to
+per-op overhead, not arithmetic: the four projections are one pre-packed GEMM (the forward concatenates the weights
+on every call), and the two causal convolutions, applied to a window of ``reach + 1`` positions, are folded into one
+grouped matmul (the forward's two ``conv1d`` calls cost ~0.2 ms each on a CPU for a single position). The folded
+weights are exact algebra (a composition of two linear maps) and differ from the forward's only in fp32 rounding
+order (~1e-6 on the logits; tested against the forward). The packed weights are taken when the decoder is built:
+build a new one after changing the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from zaya.model.attention import AttentionCache, _scaled_dot_product
+from zaya.model.layers import _rms_norm, apply_rotary
+
+
+class _LayerWeights:
+    """One block's attention weights in the shapes the decode step uses (see the module docstring)."""
+
+    def __init__(self, block) -> None:
+        att = block.attention
+        self.hq, self.hk, self.hd = att.num_query_heads, att.num_kv_heads, att.head_dim
+        self.cca = att.kind == "cca"
+        with torch.no_grad():
+            if self.cca:
+                self.w = torch.cat((att.q_proj.weight, att.k_proj.weight, att.v_current_proj.weight,
+                                    att.v_previous_proj.weight)).detach()
+                self.vw = att.v_current_proj.out_features
+                self.reach = att.conv_reach
+                self.conv_w, self.conv_b = _fold_convolutions(att.conv_depthwise, att.conv_grouped)
+                self.temperature = att.temperature.detach()
+            else:
+                self.w = torch.cat((att.q_proj.weight, att.k_proj.weight, att.v_proj.weight)).detach()
+        self.o = att.o_proj.weight
+
+
+def _fold_convolutions(depthwise: torch.nn.Conv1d, grouped: torch.nn.Conv1d) -> tuple[torch.Tensor, torch.Tensor]:
+    """The depthwise (kernel k0) then grouped (kernel k1) causal convolutions at the last position of a window of
+    k0 + k1 - 1 raw positions, as one linear map: weight [G, Cg * W, Cg] (group, (input channel, window position),
+    output channel) and bias [C]."""
+    wd = depthwise.weight[:, 0].double()  # [C, k0]
+    wg = grouped.weight.double()  # [C, Cg, k1]
+    c, cg, k1 = wg.shape
+    k0 = wd.shape[1]
+    window = k0 + k1 - 1
+    groups = c // cg
+    # input channel of each (output channel, local input channel): its group's channels
+    cin = (torch.arange(c)[:, None] // cg) * cg + torch.arange(cg)[None, :]  # [C, Cg]
+    wd_in = wd[cin]  # [C, Cg, k0]
+    folded = torch.zeros(c, cg, window, dtype=torch.float64)
+    for j in range(k1):  # grouped tap j reads depthwise output j, which reads window positions j .. j + k0 - 1
+        folded[:, :, j:j + k0] += wg[:, :, j:j + 1] * wd_in
+    bias = grouped.bias.double() + (wg.sum(-1) * depthwise.bias.double()[cin]).sum(-1)
+    # [C_out, Cg_in, W] -> [G, Cg_in * W, Cg_out]
+    weight = folded.view(groups, cg, cg, window).permute(0, 2, 3, 1).reshape(groups, cg * window, cg)
+    dtype = grouped.weight.dtype
+    return weight.to(dtype).contiguous(), bias.to(dtype)
+
+
+def _moe_step(moe, h: torch.Tensor, latent: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The MoE block for one token per row, ``h`` [n, D]: the router as in the forward, then the experts with
+    grouped matmuls called directly (the forward's autograd wrappers and its training-only masks cost more than the
+    matmuls at a handful of rows). Falls back to the forward's experts where grouped_mm does not apply."""
+    routing = moe.router(h, latent)
+    experts = moe.experts
+    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+    if not experts._use_grouped_mm(h, dtype):
+        return experts(h, routing.experts, routing.weights), routing.latent
+    n, k = routing.experts.shape
+    e = experts.num_experts
+    flat = routing.experts.reshape(-1)
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=h.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = counts[:e].cumsum(0).to(torch.int32)
+    order = torch.argsort(flat, stable=True)
+    xs = h.index_select(0, order // k if k > 1 else order).to(dtype)
+    gate_up = F.grouped_mm(xs, experts.gate_up_proj.to(dtype).transpose(-2, -1), offs=offsets)
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = F.grouped_mm(F.silu(gate) * up, experts.down_proj.to(dtype).transpose(-2, -1), offs=offsets)
+    weights = routing.weights.reshape(-1).to(dtype)
+    if experts.has_skip:  # rows past the last offset are uninitialised: the skipped assignments (weight 0)
+        y = y.masked_fill((torch.arange(flat.numel(), device=h.device) >= offsets[-1])[:, None], 0)
+    out = torch.empty_like(y).index_copy_(0, order, y).mul_(weights[:, None])
+    return (out.view(n, k, -1).sum(1) if k > 1 else out), routing.latent
+
+
+class SlotDecoder:
+    """KV cache + CCA state for ``num_slots`` sequences of up to ``capacity`` tokens, and the operations the
+    engine needs on them: ``reset`` a slot, ``prefill`` tokens into a slot (or a block of slots), ``step`` one token
+    per row. Lengths are the caller's to track (on the host: they advance by known amounts, so no read is needed)."""
+
+    def __init__(self, model, num_slots: int, capacity: int, dtype: torch.dtype | None = None) -> None:
+        if num_slots < 1 or capacity < 1:
+            raise ValueError(f"a slot decoder needs at least one slot and one position, got {num_slots} slots of "
+                             f"{capacity}")
+        self.model = model
+        self.num_slots = num_slots
+        self.capacity = capacity
+        # one scratch column past the capacity: idle rows of a decode step write their K/V there
+        state = model.new_state(num_slots, capacity + 1, dtype)
+        self.caches: list[AttentionCache] = state.caches
+        self.key_valid = state.key_valid
+        self.layers = [_LayerWeights(block) for block in model.blocks]
+        self.device = model.embed.weight.device
+        self._rows = torch.arange(num_slots, device=self.device)
+        self._key_index = torch.arange(capacity + 1, device=self.device)
+
+    # ------------------------------------------------------------------------------------------- slots
+    def reset(self, slot: int, count: int = 1) -> None:
+        """Make slots ``[slot, slot + count)`` empty (a new sequence starts there): CCA state zero, no valid key."""
+        self.key_valid[slot:slot + count] = False
+        for cache in self.caches:
+            if cache.conv_state is not None:
+                cache.conv_state[slot:slot + count] = 0
+                cache.value_state[slot:slot + count] = 0
+
+    def view(self, slot: int, count: int, length: int):
+        """A ``DecodeState`` over slots ``[slot, slot + count)`` holding ``length`` tokens each, whose tensors are
+        views into this decoder's buffers: the model's cached forward writes straight into the slots."""
+        from zaya.model.zaya import DecodeState
+
+        rows = slice(slot, slot + count)
+        caches = [AttentionCache(keys=c.keys[rows], values=c.values[rows],
+                                 conv_state=None if c.conv_state is None else c.conv_state[rows],
+                                 value_state=None if c.value_state is None else c.value_state[rows])
+                  for c in self.caches]
+        return DecodeState(caches=caches, key_valid=self.key_valid[rows, :self.capacity], length=length)
+
+    @torch.no_grad()
+    def prefill(self, slot: int, ids: torch.Tensor, start: int, all_logits: bool = False,
+                chunk: int | None = None) -> torch.Tensor:
+        """Feed ``ids`` [count, T] (or [T] for one slot) to slots ``[slot, slot + count)`` after ``start`` cached
+        tokens, in chunks of ``chunk`` tokens (default: all at once). Returns the logits [count, T, V] of every
+        position when ``all_logits`` (prompt log-probabilities), else of the last position [count, V]."""
+        if ids.dim() == 1:
+            ids = ids[None]
+        count, t = ids.shape
+        if start + t > self.capacity:
+            raise ValueError(f"slot holds {self.capacity} positions; {start} used, {t} more requested")
+        state = self.view(slot, count, start)
+        chunk = chunk or t
+        pieces = []
+        for a in range(0, t, chunk):
+            piece = ids[:, a:a + chunk]
+            last = a + chunk >= t
+            out = self.model(piece, state=state, logits_to_keep=0 if all_logits else 1).logits
+            if all_logits:
+                pieces.append(out)
+            elif last:
+                pieces.append(out[:, -1])
+        return torch.cat(pieces, dim=1) if all_logits else pieces[0]
+
+    # ------------------------------------------------------------------------------------------- decode step
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, keys: int,
+             idle: torch.Tensor | None = None) -> torch.Tensor:
+        """One token for each row ``[0, n)``: ``tokens`` [n], ``positions`` [n] (each row's cached length: where its
+        token goes), ``keys`` = 1 + the largest position of a decoding row (the attention span), ``idle`` [n] bool
+        (rows that are not decoding, or None). Returns the next-token logits [n, V]; advances no length."""
+        model = self.model
+        n = tokens.shape[0]
+        if keys > self.capacity:
+            raise ValueError(f"slot holds {self.capacity} positions; a step needs {keys}")
+        write = positions if idle is None else torch.where(idle, self.capacity, positions)
+        # may attend: keys up to the row's own position (idle rows: anything; their output is unused)
+        mask = (self._key_index[None, :keys] <= positions[:, None])[:, None, None]
+        cos, sin = model.rope.cos_sin(positions[:, None])  # [n, 1, 1, rot]
+        x = model.input_affine(model.embed(tokens))
+        x = x.float() if model.config.residual_fp32 else x
+        rows = self._rows[:n]
+        keep = None if idle is None else idle[:, None]
+        latent = None
+        for block, weights, cache in zip(model.blocks, self.layers, self.caches):
+            h = _rms_norm(x.to(block.attn_norm.weight.dtype), block.attn_norm.weight, block.attn_norm.eps)[0]
+            a = self._attend(h, weights, cache, cos, sin, mask, rows, write, keys, keep)
+            x = block._join(block.attn_residual(a, x))
+            h = _rms_norm(x.to(block.moe_norm.weight.dtype), block.moe_norm.weight, block.moe_norm.eps)[0]
+            m, latent = _moe_step(block.moe, h, latent)
+            x = block._join(block.moe_residual(m, x))
+        h = model.final_norm(x.to(model.final_norm.weight.dtype))
+        return F.linear(h, model.head_weight())
+
+    def _attend(self, h, w: _LayerWeights, cache: AttentionCache, cos, sin, mask, rows, write, keys, keep):
+        n = h.shape[0]
+        hq, hk, hd = w.hq, w.hk, w.hd
+        qw, kw = hq * hd, hk * hd
+        proj = F.linear(h, w.w.to(h.dtype))
+        if w.cca:
+            qk, v_current, v_delayed = proj.split((qw + kw, w.vw, w.vw), dim=-1)
+            q_mean = (qk[:, :qw].view(n, hk, hq // hk, hd) + qk[:, qw:].view(n, hk, 1, hd)) * 0.5
+            k_mean = q_mean.mean(dim=2)
+            conv_state = cache.conv_state[:n]
+            window = torch.cat((conv_state.to(qk.dtype), qk[:, :, None]), dim=-1)  # [n, C, reach + 1]
+            groups = w.conv_w.shape[0]
+            grouped = window.view(n, groups, -1).transpose(0, 1)  # [G, n, Cg * W]
+            mixed = torch.bmm(grouped, w.conv_w.to(qk.dtype)).transpose(0, 1).reshape(n, -1) + w.conv_b.to(qk.dtype)
+            q = mixed[:, :qw].view(n, hq, hd) + q_mean.reshape(n, hq, hd)
+            k = mixed[:, qw:].view(n, hk, hd) + k_mean
+            previous = cache.value_state[:n]
+            v = torch.cat((v_current, previous.to(v_current.dtype)), dim=-1).view(n, hk, hd)
+            new_conv, new_value = window[..., 1:], v_delayed
+            if keep is not None:
+                new_conv = torch.where(keep[:, :, None], conv_state, new_conv)
+                new_value = torch.where(keep, previous, new_value)
+            conv_state.copy_(new_conv)
+            previous.copy_(new_value)
+            eps = torch.finfo(q.dtype).eps
+            scale = hd**0.5
+            dtype = q.dtype
+            q = (q * (scale / q.norm(dim=-1, keepdim=True).clamp_min(eps))).to(dtype)
+            k = (k * (scale / k.norm(dim=-1, keepdim=True).clamp_min(eps)) * w.temperature.to(dtype)[:, None]
+                 ).to(dtype)
+        else:
+            q, k, v = proj.split((qw, kw, kw), dim=-1)
+            q, k, v = q.view(n, hq, hd), k.view(n, hk, hd), v.view(n, hk, hd)
+        q = apply_rotary(q[:, :, None], cos, sin)  # [n, Hq, 1, D]
+        k = apply_rotary(k[:, :, None], cos, sin)[:, :, 0]  # [n, Hkv, D]
+        cache.keys[rows, :, write] = k.to(cache.keys.dtype)
+        cache.values[rows, :, write] = v.to(cache.values.dtype)
+        kk = cache.keys[:n, :, :keys].to(q.dtype)
+        vv = cache.values[:n, :, :keys].to(q.dtype)
+        out = _scaled_dot_product(q, kk, vv, mask, causal=False)
+        return F.linear(out.reshape(n, qw), w.o.to(out.dtype))

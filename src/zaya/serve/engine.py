@@ -1,0 +1,320 @@
+"""The inference engine: requests on slots, continuous batching, chunked prefill, one batched decode step.
+
+``Engine(model, num_slots, capacity)`` takes the model's slot decoder (``model.slot_decoder``: per slot a KV cache
+plus the CCA convolution and value-shift state, allocated once). ``submit`` queues a ``Request``; each ``step``:
+
+1. admits waiting requests into free slots (the lowest free one first, which keeps the decoding rows packed at
+   the front, so a decode step spans few idle rows);
+2. prefills at most ``prefill_chunk`` prompt tokens in all, oldest request first (several short prompts, or one
+   chunk of a long one), so a long prompt delays the running streams by one chunk per step, not by its length;
+3. runs one decode step over every decoding slot: one forward with one token per row, each at its own position;
+4. samples every request that got logits (per-request temperature / top-k / top-p / repetition penalty / seed),
+   reads the sampled ids back to the host (the step's one read, with the log-probabilities when asked for), and
+   applies eos, stop strings and max_tokens. A finished request frees its slot at once; the next step can give it
+   to a waiting request (requests join and leave between steps).
+
+``generate_batch`` (behind ``model.generate``) runs a fixed batch on the same slot decoder and decode step, with
+the rows sampled together through ``decode_tokens`` and no host read per token.
+
+The engine is not thread-safe: one thread drives it (``zaya.serve.server`` runs it on a worker thread). It imports
+no model code (the model is used through ``slot_decoder``, ``config``, ``check_input_ids``), so the model package
+can use it without an import cycle.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from zaya.serve.request import Request, TokenLogprob
+from zaya.serve.sampling import apply_repetition_penalty, decode_tokens, sample_next
+from zaya.serve.text import TextStream
+
+
+class ContextLengthError(ValueError):
+    """A request that cannot fit in a slot: its prompt plus max_tokens exceed the engine's capacity."""
+
+
+@dataclass
+class _Active:
+    request: Request
+    slot: int
+    generator: torch.Generator | None
+    stream: TextStream | None
+    prefilled: int = 0
+    """Prompt tokens in the cache so far."""
+    next_token: int | None = None
+    """The last sampled token, to be fed by the next decode step."""
+    seen: torch.Tensor | None = None
+    """[V] bool: tokens of the prompt and output (repetition penalty only)."""
+    pending: list = field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching engine over ``num_slots`` slots of ``capacity`` tokens (default: the model's
+    max_seq_len). ``decode`` (token ids -> text) is needed for stop strings."""
+
+    def __init__(self, model, num_slots: int = 16, capacity: int | None = None, prefill_chunk: int = 512,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
+        self.model = model
+        self.capacity = capacity or model.config.max_seq_len
+        self.num_slots = num_slots
+        self.decoder = model.slot_decoder(num_slots, self.capacity)
+        self.device = self.decoder.device
+        self.vocab_size = model.config.vocab_size
+        self.prefill_chunk = prefill_chunk
+        self.decode = decode
+        self.waiting: deque[Request] = deque()
+        self.slots: list[_Active | None] = [None] * num_slots
+        self._prefill_order: deque[_Active] = deque()
+        self.steps = 0
+        self._last_chunk = 0
+
+    # ------------------------------------------------------------------------------------------- requests
+    def check(self, request: Request) -> None:
+        """Raise ValueError (``ContextLengthError`` for length) for a request this engine cannot serve."""
+        if not request.prompt:
+            raise ValueError("the prompt has no tokens")
+        if request.max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        low, high = min(request.prompt), max(request.prompt)
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"prompt holds token id {high if high >= self.vocab_size else low}, outside "
+                             f"[0, vocab_size={self.vocab_size})")
+        if len(request.prompt) + request.max_tokens > self.capacity:
+            raise ContextLengthError(f"this model's context is {self.capacity} tokens; the prompt has "
+                                     f"{len(request.prompt)} and max_tokens is {request.max_tokens}")
+        if request.stop and self.decode is None:
+            raise ValueError("stop strings need a tokenizer (the engine was built without decode)")
+        if request.logprobs is not None and request.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
+
+    def submit(self, request: Request) -> Request:
+        """Queue ``request`` (checked first); it is admitted by a later ``step``."""
+        self.check(request)
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request: Request) -> None:
+        """Stop ``request`` now (a client went away); its slot is freed."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        for active in self.slots:
+            if active is not None and active.request is request:
+                self._free(active)
+        if not request.finished:
+            request.finish_reason = "abort"
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(a is not None for a in self.slots)
+
+    def run(self, requests: list[Request]) -> list[Request]:
+        """Submit ``requests`` and step until every one has finished."""
+        for r in requests:
+            self.submit(r)
+        while not all(r.finished for r in requests):
+            self.step()
+        return requests
+
+    # ------------------------------------------------------------------------------------------- the step
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """One scheduler iteration (see the module docstring); returns the requests that changed."""
+        self._admit()
+        sample: list[tuple[_Active, torch.Tensor]] = []
+        changed: list[Request] = []
+        budget = self.prefill_chunk
+        while self._prefill_order and budget > 0:
+            active = self._prefill_order[0]
+            logits = self._prefill_chunk(active, budget)
+            budget -= self._last_chunk
+            if active.prefilled < len(active.request.prompt):
+                break
+            self._prefill_order.popleft()
+            if active.request.max_tokens == 0:
+                active.request.finish_reason = "length"
+                self._free(active)
+                changed.append(active.request)
+            else:
+                sample.append((active, logits))
+        decoding = [a for a in self.slots if a is not None and a.next_token is not None]
+        if decoding:
+            n = max(a.slot for a in decoding) + 1
+            tokens, positions, idle = [0] * n, [0] * n, [True] * n
+            for a in decoding:
+                r = a.request
+                tokens[a.slot] = a.next_token
+                positions[a.slot] = len(r.prompt) + len(r.output) - 1
+                idle[a.slot] = False
+            keys = max(positions[a.slot] for a in decoding) + 1
+            logits = self.decoder.step(torch.tensor(tokens, device=self.device),
+                                       torch.tensor(positions, device=self.device), keys,
+                                       None if not any(idle) else torch.tensor(idle, device=self.device))
+            for a in decoding:
+                a.next_token = None
+                sample.append((a, logits[a.slot]))
+        if sample:
+            changed += self._sample(sample)
+        self.steps += 1
+        return changed
+
+    def _admit(self) -> None:
+        while self.waiting and None in self.slots:
+            request = self.waiting.popleft()
+            slot = self.slots.index(None)
+            self.decoder.reset(slot)
+            p = request.sampling
+            generator = None
+            if p.temperature > 0:
+                generator = torch.Generator(device=self.device)
+                if p.seed is not None:
+                    generator.manual_seed(p.seed)
+                else:
+                    generator.seed()
+            stream = TextStream(self.decode, request.stop) if self.decode is not None else None
+            active = _Active(request, slot, generator, stream)
+            if p.repetition_penalty != 1.0:
+                active.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+                active.seen[torch.tensor(request.prompt, device=self.device)] = True
+            if request.prompt_logprobs:
+                request.prompt_token_logprobs = [None]
+            self.slots[slot] = active
+            self._prefill_order.append(active)
+
+    def _prefill_chunk(self, active: _Active, budget: int) -> torch.Tensor:
+        r = active.request
+        start = active.prefilled
+        piece = r.prompt[start:start + budget]
+        self._last_chunk = len(piece)
+        ids = torch.tensor(piece, device=self.device)
+        logits = self.decoder.prefill(active.slot, ids, start, all_logits=r.prompt_logprobs)
+        active.prefilled += len(piece)
+        if not r.prompt_logprobs:
+            return logits[0]
+        logits = logits[0]  # [T, V]: position i predicts prompt token start + i + 1
+        targets = r.prompt[start + 1:start + len(piece) + 1]
+        if targets:
+            lp = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
+            chosen = lp.gather(-1, torch.tensor(targets, device=self.device)[:, None])[:, 0]
+            k = max(1, r.logprobs or 0)
+            top = lp.topk(k, dim=-1)
+            for tok, c, ids_, vals in zip(targets, chosen.tolist(), top.indices.tolist(), top.values.tolist()):
+                r.prompt_token_logprobs.append(TokenLogprob(tok, c, list(zip(ids_, vals))))
+        return logits[-1]
+
+    def _sample(self, rows: list[tuple[_Active, torch.Tensor]]) -> list[Request]:
+        logits = torch.stack([l for _, l in rows]).float()
+        actives = [a for a, _ in rows]
+        if all(a.request.sampling.greedy for a in actives):
+            tokens = logits.argmax(dim=-1)
+        else:
+            picked = []
+            for i, a in enumerate(actives):
+                p = a.request.sampling
+                row = logits[i:i + 1]
+                if a.seen is not None:
+                    row = apply_repetition_penalty(row, a.seen[None], p.repetition_penalty)
+                picked.append(sample_next(row, p.temperature, p.top_k or None, p.top_p, a.generator))
+            tokens = torch.cat(picked)
+        want = [i for i, a in enumerate(actives) if a.request.logprobs is not None]
+        lp_rows = None
+        if want:
+            sel = torch.tensor(want, device=self.device)
+            lp = torch.log_softmax(logits.index_select(0, sel), dim=-1)
+            chosen = lp.gather(-1, tokens.index_select(0, sel)[:, None])[:, 0]
+            k = max(1, max(actives[i].request.logprobs for i in want))
+            top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+            lp_rows = dict(zip(want, zip(chosen.tolist(), top.indices.tolist(), top.values.tolist())))
+        host = tokens.tolist()  # the step's read of the sampled ids
+        changed = []
+        for i, (a, token) in enumerate(zip(actives, host)):
+            r = a.request
+            if a.seen is not None:
+                a.seen[token] = True
+            changed.append(r)
+            if r.eos_token_id is not None and not r.ignore_eos and token == r.eos_token_id:
+                self._finish(a, "stop")
+                continue
+            r.output.append(token)
+            if lp_rows is not None and i in lp_rows:
+                c, ids_, vals = lp_rows[i]
+                k = r.logprobs
+                r.output_logprobs.append(TokenLogprob(token, c, list(zip(ids_[:k], vals[:k]))))
+            if a.stream is not None:
+                a.stream.update(r.output)
+                r.text = a.stream.text[:a.stream.sent]
+                if a.stream.stopped:
+                    self._finish(a, "stop")
+                    continue
+            if len(r.output) >= r.max_tokens or len(r.prompt) + len(r.output) >= self.capacity:
+                self._finish(a, "length")
+                continue
+            a.next_token = token
+        return changed
+
+    def _finish(self, active: _Active, reason: str) -> None:
+        r = active.request
+        if active.stream is not None:
+            active.stream.finish()
+            r.text = active.stream.text
+        r.finish_reason = reason
+        self._free(active)
+
+    def _free(self, active: _Active) -> None:
+        if self.slots[active.slot] is active:
+            self.slots[active.slot] = None
+        if active in self._prefill_order:
+            self._prefill_order.remove(active)
+
+    # ------------------------------------------------------------------------------------------- fixed batch
+    @torch.no_grad()
+    def generate_batch(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                       top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                       attention_mask: torch.Tensor | None = None,
+                       eos_token_id: int | None = None) -> torch.Tensor:
+        """``model.generate``: the rows of ``input_ids`` [B, T] (left-padded where ``attention_mask`` has zeros) on
+        slots 0..B-1, prefilled (together when unpadded, else each row's own tokens), then decoded by the engine's
+        decode step with every row at its own position, sampled together by ``decode_tokens`` (one generator for
+        the batch). Host reads: one for a mask (its lengths), then only ``decode_tokens``' eos checks."""
+        b, t = input_ids.shape
+        if b > self.num_slots or t + max_new_tokens > self.capacity:
+            raise ValueError(f"a batch of {b} x {t} + {max_new_tokens} tokens does not fit {self.num_slots} slots "
+                             f"of {self.capacity}")
+        dec = self.decoder
+        dec.reset(0, b)
+        lengths = None
+        if attention_mask is not None:
+            mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+            count = mask.sum(1)
+            left = (mask == (torch.arange(t, device=mask.device)[None] >= t - count[:, None])).all()
+            *lengths, ok = torch.cat((count, left[None].long())).tolist()  # one read
+            if not ok:
+                raise ValueError("attention_mask must be left padding (zeros before a row's tokens)")
+            if min(lengths) == 0:
+                raise ValueError("a row of attention_mask has no tokens")
+            if min(lengths) == t:
+                lengths = None  # no padding after all
+        if lengths is None:
+            logits = dec.prefill(0, input_ids, 0, chunk=self.prefill_chunk)
+            positions = torch.full((b,), t, device=input_ids.device)
+            span = t
+        else:
+            logits = torch.cat([dec.prefill(i, input_ids[i, t - n:], 0, chunk=self.prefill_chunk)
+                                for i, n in enumerate(lengths)])
+            positions = torch.tensor(lengths, device=input_ids.device)
+            span = max(lengths)
+        keys = [span]
+
+        def step(token: torch.Tensor) -> torch.Tensor:
+            out = dec.step(token, positions, keys[0] + 1)
+            positions.add_(1)
+            keys[0] += 1
+            return out
+
+        return decode_tokens(input_ids, logits, step, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id)

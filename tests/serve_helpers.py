@@ -1,0 +1,56 @@
+"""Shared by the serving tests: a tiny random model on the 512-entry Shakespeare tokenizer, and a uvicorn server
+on a free loopback port in a background thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import torch
+
+from zaya.config import ModelConfig
+from zaya.model import ZayaForCausalLM
+
+
+def tiny_model(vocab_size: int = 512, max_seq_len: int = 128, seed: int = 0) -> ZayaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab_size, eos_token_id=2, hidden_size=64, num_layers=2, num_query_heads=4,
+                      num_kv_heads=2, head_dim=16, num_experts=4, top_k=1, expert_hidden_size=64,
+                      router_hidden_size=16, max_seq_len=max_seq_len)
+    model = ZayaForCausalLM(cfg).eval()
+    with torch.no_grad():  # away from init, so that tokens differ from position to position
+        g = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """``with ServerThread(app) as base_url:`` runs uvicorn on 127.0.0.1:<free port> until the block ends."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
