@@ -169,17 +169,21 @@ class SlotDecoder:
     # ------------------------------------------------------------------------------------------- decode step
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, keys: int,
-             idle: torch.Tensor | None = None) -> torch.Tensor:
+             idle: torch.Tensor | None = None, aligned: bool = False) -> torch.Tensor:
         """One token for each row ``[0, n)``: ``tokens`` [n], ``positions`` [n] (each row's cached length: where its
         token goes), ``keys`` = 1 + the largest position of a decoding row (the attention span), ``idle`` [n] bool
-        (rows that are not decoding, or None). Returns the next-token logits [n, V]; advances no length."""
+        (rows that are not decoding, or None); ``aligned``: every row is at position ``keys - 1`` (a fixed batch
+        without padding), so attention needs no mask (SDPA's unmasked kernel is the faster one). Returns the
+        next-token logits [n, V]; advances no length."""
         model = self.model
         n = tokens.shape[0]
         if keys > self.capacity:
             raise ValueError(f"slot holds {self.capacity} positions; a step needs {keys}")
         write = positions if idle is None else torch.where(idle, self.capacity, positions)
         # may attend: keys up to the row's own position (idle rows: anything; their output is unused)
-        mask = (self._key_index[None, :keys] <= positions[:, None])[:, None, None]
+        mask = None
+        if not aligned or idle is not None:
+            mask = (self._key_index[None, :keys] <= positions[:, None])[:, None, None]
         cos, sin = model.rope.cos_sin(positions[:, None])  # [n, 1, 1, rot]
         x = model.input_affine(model.embed(tokens))
         x = x.float() if model.config.residual_fp32 else x

@@ -312,7 +312,7 @@ class Engine:
         keys = [span]
 
         def step(token: torch.Tensor) -> torch.Tensor:
-            out = dec.step(token, positions, keys[0] + 1)
+            out = dec.step(token, positions, keys[0] + 1, aligned=lengths is None)
             positions.add_(1)
             keys[0] += 1
             return out
