@@ -1,11 +1,13 @@
 """The package layering: a module imports only from its own layer or the layers below it, never upward.
 
-    (errors, device, fsutil) -> config -> serve engine -> model -> optim -> data -> dist -> checkpoint -> eval
-    -> train -> aegis -> serve (HTTP) -> cli
+    (errors, device, fsutil, tune.profile) -> config -> serve engine -> model -> optim -> data -> dist
+    -> checkpoint -> eval -> train -> tune -> aegis -> serve (HTTP) -> cli
 
 The serving package spans two layers: its engine modules (sampling, request, text, engine) drive a model only
 through the object they are given, so they sit below the model, which runs ``generate`` on them; its HTTP side
-(``zaya serve``: loading a checkpoint, the tokenizer, FastAPI) sits above everything but the cli.
+(``zaya serve``: loading a checkpoint, the tokenizer, FastAPI) sits above everything but the cli. The tuning package
+spans two too: the hardware profile (``tune.profile``) is read by the model, the optimizer and the parallel wrappers,
+so it sits at the bottom; the tune and plan commands, which drive all of those, sit above the trainer.
 
 Every ``import zaya...`` / ``from zaya... import`` statement counts, including those inside functions (imported
 lazily or not, an upward import is a cycle in the design). The top-level package (``zaya.load_pretrained``) and
@@ -19,8 +21,11 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "zaya"
 SERVE_ENGINE = ("serve.sampling", "serve.request", "serve.text", "serve.engine")
-LAYERS = [("errors", "device", "fsutil"), ("config",), SERVE_ENGINE, ("model",), ("optim",), ("data",), ("dist",),
-          ("checkpoint",), ("eval",), ("train",), ("aegis",), ("serve",), ("cli", "__init__", "__main__")]
+HARDWARE_PROFILE = "tune.profile"
+SPLIT = (*SERVE_ENGINE, HARDWARE_PROFILE)
+LAYERS = [("errors", "device", "fsutil", HARDWARE_PROFILE), ("config",), SERVE_ENGINE, ("model",), ("optim",),
+          ("data",), ("dist",), ("checkpoint",), ("eval",), ("train",), ("tune",), ("aegis",), ("serve",),
+          ("cli", "__init__", "__main__")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
@@ -28,7 +33,7 @@ def layer_of(module: str) -> str:
     """'zaya.model.moe' -> 'model'; 'zaya' -> '__init__'; 'zaya.serve.engine' -> 'serve.engine' (an engine
     module), 'zaya.serve.server' -> 'serve'."""
     parts = module.split(".")
-    if len(parts) > 2 and ".".join(parts[1:3]) in SERVE_ENGINE:
+    if len(parts) > 2 and ".".join(parts[1:3]) in SPLIT:
         return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else "__init__"
 

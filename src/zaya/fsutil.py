@@ -129,3 +129,11 @@ def atomic_directory(dst: str | Path, overwrite: bool = False) -> Iterator[Path]
                     d.rmdir()
                 except OSError:
                     break
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """zaya's cache directory: ``cache_dir`` if given, else ``$ZAYA_CACHE_DIR``, else ``~/.cache/zaya``."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("ZAYA_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "zaya"

@@ -14,15 +14,9 @@ from typing import Callable
 
 from zaya.data.bundle import DATASET_VERSION, MANIFEST, DatasetError
 from zaya.data.sources import BUILTIN
+from zaya.fsutil import cache_root
 
 BUILTIN_VAL_FRACTION = 0.05
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("ZAYA_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "zaya"
 
 
 def builtin_dataset_dir(spec: str, vocab_size: int, cache_dir: str | Path | None = None) -> Path:

@@ -9,6 +9,9 @@ fresh allocations as large as the logits in fp32. Instead each chunk of rows is 
 couple of MB, cache-resident); the forward takes its log-softmax (into a second reused buffer) and keeps only the
 targets' entries, the backward recomputes its softmax and turns it into ``(softmax - onehot) * g / n``, written
 straight into the gradient in the logits' dtype.
+
+The chunk holds the device's hardware profile's ``loss_chunk_elements`` fp32 values (``zaya.tune.profile``;
+default 2^19 = 2 MB, about the L2 of the development CPU), read once per forward and once per backward.
 """
 
 from __future__ import annotations
@@ -17,18 +20,21 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from zaya.tune.profile import load_profile
+
 IGNORE_INDEX = -100
-CHUNK_ELEMENTS = 1 << 19  # fp32 elements per row chunk (2 MB, about L2-sized)
+CHUNK_ELEMENTS: int | None = None  # fp32 elements per row chunk if set (tests); None: the hardware profile's
 MIN_CHUNK_ROWS = 16
 
 
-def _chunk_rows(vocab: int) -> int:
-    return max(MIN_CHUNK_ROWS, CHUNK_ELEMENTS // max(vocab, 1))
+def _chunk_rows(vocab: int, device: torch.device) -> int:
+    elements = CHUNK_ELEMENTS or load_profile(device).loss_chunk_elements
+    return max(MIN_CHUNK_ROWS, elements // max(vocab, 1))
 
 
 def _chunks(n: int, vocab: int, device: torch.device):
     """Row ranges and two reused fp32 [rows, vocab] buffers."""
-    rows = min(_chunk_rows(vocab), n)
+    rows = min(_chunk_rows(vocab, device), n)
     bufs = [torch.empty(rows, vocab, dtype=torch.float32, device=device) for _ in range(2)]
     return [(s, min(s + rows, n)) for s in range(0, n, rows)], bufs
 

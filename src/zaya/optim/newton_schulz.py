@@ -40,7 +40,11 @@ except small ones (``min(m, n) < 256``), which are stacked by shape and run as o
 (16 x 256^2: 1.9 ms batched, 5.9 ms looped). On other devices all same-shape matrices are stacked and run
 batched, without symmetric blocking (not measured: no GPU was available). ``torch.compile`` is not used: it gave
 nothing here (torch's NS on 1024x2048: 156 ms compiled, 158 ms eager, after a 6.8 s compile); the time is in the
-GEMMs. Measurements: ``benchmarks/results.md`` ("Muon") and the comment at ``_CPU_BLOCK_ROWS`` below.
+GEMMs. Measurements: ``benchmarks/results.md`` ("Muon") and the comment on the CPU block rows below.
+
+The CPU constants (the 256-row blocks, at most 8 of them, and the 256 below which matrices are batched) are the
+device's hardware profile's ``muon_block_rows``, ``muon_max_blocks`` and ``muon_cpu_small``
+(``zaya.tune.profile``; the defaults are the values measured here). They are read only for CPU matrices.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor
+
+from zaya.tune.profile import load_profile
 
 __all__ = ["orthogonalize", "zeropower_via_newtonschulz", "ns_flops", "iteration_coefficients", "SCHEDULES",
            "NSConfig", "Workspace", "plan", "stacked", "gram_checked", "orthogonalize_", "standard_",
@@ -90,8 +96,9 @@ SCHEDULES: dict[str, tuple[tuple[float, float, float], ...]] = {
 # run fast) drifts in bf16. Training effect: benchmarks/results.md ("Muon").
 DEFAULT_GRAM_RESTARTS = (3,)
 
-# CPU block rows for symmetric products, and the size below which matrices are batched. Measured on the dev CPU
-# (2 AVX-512 cores, machine idle-waited, median of 3), time relative to torch's NS for one matrix:
+# CPU block rows for symmetric products, and the size below which matrices are batched: the hardware profile's
+# muon_block_rows = 256, muon_max_blocks = 8 and muon_cpu_small = 256 unless a profile says otherwise. Measured on
+# the dev CPU (2 AVX-512 cores, machine idle-waited, median of 3), time relative to torch's NS for one matrix:
 #   2048x4096: standard nb=1 0.98, nb=2 0.82, nb=4 0.77, nb=8 0.74; Gram (3,) nb=4 0.62, nb=8 0.59
 #   2048x2048: standard nb=1 0.98, nb=2 0.88, nb=4 0.82, nb=8 0.82; Gram (3,) nb=4 0.91
 #   1024x2048: standard nb=2 0.90, nb=4 0.85; Gram (3,) nb=1 0.87, nb=2 0.71, nb=4 0.75
@@ -100,9 +107,6 @@ DEFAULT_GRAM_RESTARTS = (3,)
 # 0.82 vs 0.83 in a later run). The price of the blocks is the mirror copy of the lower triangle, a strided
 # transposed copy: 5-14 ms for 2048^2 in bf16, about 130 of the 840 ms of one 4096x2048 NS (measured by
 # skipping it); neither torch.compile nor a GEMM against the identity copied faster.
-_CPU_BLOCK_ROWS = 256
-_CPU_MAX_BLOCKS = 8
-CPU_SMALL = 256
 _GRAM_MIN_ROWS = 128
 BATCH_ELEMENTS = 1 << 27  # largest stack [k, m, n] run in one batched call
 
@@ -328,9 +332,11 @@ def _ns_gram(X: Tensor, out: Tensor, coeffs: Sequence[tuple[float, float, float]
 
 
 def _block_count(m: int, device: torch.device, batched: bool) -> int:
+    """Row blocks of the symmetric products of an ``m``-row matrix (CPU, one at a time: the profile's sizes)."""
     if device.type != "cpu" or batched:
         return 1
-    return max(1, min(_CPU_MAX_BLOCKS, m // _CPU_BLOCK_ROWS))
+    profile = load_profile(device)
+    return max(1, min(profile.muon_max_blocks, m // profile.muon_block_rows))
 
 
 def ns_flops(m: int, n: int, steps: int, method: str, nb: int = 1,
@@ -369,8 +375,9 @@ class NSConfig:
 
 
 def stacked(m0: int, n0: int, device: torch.device) -> bool:
-    """Whether the optimizer runs an ``m0 x n0`` matrix stacked with others of its shape (else one at a time)."""
-    return device.type != "cpu" or min(m0, n0) < CPU_SMALL
+    """Whether the optimizer runs an ``m0 x n0`` matrix stacked with others of its shape (else one at a time):
+    always off the CPU; on it, below the profile's ``muon_cpu_small``."""
+    return device.type != "cpu" or min(m0, n0) < load_profile(device).muon_cpu_small
 
 
 def plan(cfg: NSConfig, m: int, n: int, device: torch.device, batched: bool) -> tuple[str, int]:
@@ -470,7 +477,7 @@ def orthogonalize(
     tall = x.size(-2) > x.size(-1)
     ws = Workspace()
     if batched is None:
-        batched = x.device.type != "cpu" or min(x.shape[-2:]) < CPU_SMALL
+        batched = stacked(x.size(-2), x.size(-1), x.device)
 
     def run(X: Tensor, out: Tensor, as_batch: bool) -> None:
         flags = orthogonalize_(X, out, cfg, ws, as_batch)

@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-# Dense bf16 peak of one device, FLOP/s, by a substring of torch.cuda.get_device_name().
-_GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "MI300X": 1307e12, "MI325X": 1307e12,
-              "MI250X": 383e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
+from zaya.tune.profile import DATASHEET_PEAK_FLOPS, load_profile
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 1024,
@@ -42,16 +40,25 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat1
     return best
 
 
-def device_peak_flops(device: torch.device, configured: float = 0.0) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from): the config's value, a known GPU's datasheet, or a measurement."""
+def device_peak_flops(device: torch.device, configured: float = 0.0,
+                      dtype: torch.dtype | str = torch.bfloat16) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from), for training in ``dtype``: the config's ``train.peak_flops``, else the
+    peak ``zaya tune gemm`` measured for ``dtype`` (the device's hardware profile), else a known GPU's datasheet
+    (dense bf16), else a quick measurement."""
     if configured > 0:
         return configured, "train.peak_flops"
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    name = str(dtype).removeprefix("torch.")
+    profile = load_profile(device)
+    if profile.peak_flops.get(name, 0) > 0:
+        return float(profile.peak_flops[name]), f"measured {name} peak, hardware profile {profile.path}"
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peak in _GPU_PEAKS.items():
-            if key in name:
-                return peak, f"{name} datasheet (dense bf16)"
-    return measure_matmul_peak(device), f"measured bf16 matmul on {device.type}"
+        gpu = torch.cuda.get_device_name(device)
+        for key, peak in DATASHEET_PEAK_FLOPS.items():
+            if key in gpu:
+                return peak, f"{gpu} datasheet (dense bf16)"
+    short = {"bfloat16": "bf16", "float32": "fp32"}.get(name, name)
+    return measure_matmul_peak(device, dtype), f"measured {short} matmul on {device.type}"
 
 
 def expert_load_stats(counts: list[list[float]], num_experts: int) -> dict[str, Any]:

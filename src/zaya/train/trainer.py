@@ -179,13 +179,14 @@ class Trainer:
         from zaya.train.metrics import device_peak_flops
 
         tc, rt = self.config.train, self.runtime
-        self.peak_flops, self.peak_source = device_peak_flops(rt.device, tc.peak_flops)
+        self.peak_flops, self.peak_source = device_peak_flops(rt.device, tc.peak_flops, tc.dtype)
         n_params = sum(p.numel() for p in self.parallel.model.parameters())
         train_tokens = sum(d.split("train").num_tokens for d in self.datasets.values())
         self.say(f"zaya train: {n_params:,} parameters, {rt.world_size} rank(s) ({tc.parallel}, dp {rt.dp_size} x "
                  f"cp {rt.cp_size}, {rt.device.type}), {train_tokens:,} train tokens ({', '.join(self.datasets)}), "
                  f"{len(self.schedule.stages)} stage(s), dtype {tc.dtype}, peak {self.peak_flops / 1e12:.2f} "
-                 f"TFLOP/s ({self.peak_source}); run dir {self.run_dir}")
+                 f"TFLOP/s ({self.peak_source}); run dir {self.run_dir}"
+                 + (f"; collectives: {self.parallel.describe()}" if self.parallel.describe() else ""))
 
     def tokenizer(self):
         return next(iter(self.datasets.values())).tokenizer()
