@@ -403,6 +403,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="xid/ecc: the device id in the line (default cpu:RANK)")
     p.set_defaults(func=_cmd_chaos)
 
+    p = verbs.add_parser("tune", help="measure this machine: GEMM and collective throughput, into a hardware "
+                                      "profile (docs/tuning.md)")
+    tune = p.add_subparsers(dest="tune_verb", required=True, metavar="TUNE_VERB")
+    p = tune.add_parser("gemm", help="sweep the model's GEMM shapes: TFLOP/s table, heatmap, recommended sizes",
+                        description="Time every GEMM the model runs (projections, router, grouped expert GEMMs) over "
+                                    "token counts and candidate widths; print a table, write a heatmap PNG, "
+                                    "recommend hidden/expert/head sizes and the micro-batch near a parameter budget, "
+                                    "and write the measured constants into this device's hardware profile.")
+    from zaya.tune import gemm as tune_gemm
+
+    tune_gemm.add_arguments(p)
+    p.set_defaults(func=tune_gemm.run)
+    p = tune.add_parser("comm", help="collective bandwidth by message size and ranks; recommended bucket sizes",
+                        description="Measure all-reduce, all-gather, reduce-scatter and all-to-all bandwidth by "
+                                    "message size and by how many ranks of the node take part, recommend the gradient "
+                                    "bucket size and collective grouping for ddp, zero1 and fsdp, and write them "
+                                    "into the hardware profile (the trainer uses them when present).")
+    from zaya.tune import comm as tune_comm
+
+    tune_comm.add_arguments(p)
+    p.set_defaults(func=tune_comm.run)
+
     p = verbs.add_parser("info", help="parameter counts and FLOPs of a config's model")
     p.add_argument("--config", required=True, metavar="PATH", help="TOML config, e.g. configs/zaya1-base.toml")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of a table")

@@ -13,6 +13,11 @@ different tokens of the same sequences, so their gradients are averaged like dat
   sharded DTensors. With bf16 training the parameters are all-gathered and computed in bf16 and gradients
   reduce-scattered in fp32 (``MixedPrecisionPolicy``); the sharded fp32 master weights stay fp32.
 
+The collective settings come from this device's hardware profile (``zaya.tune.profile``; written by ``zaya tune
+comm``, defaults otherwise): DDP's and ZeRO-1's gradient bucket size (``bucket_cap_mb``) and FSDP2's
+``reshard_after_forward`` for each block. ``Parallel.describe()`` names them and where they came from (the trainer's
+start-up line).
+
 A single process (no process group) gets the bare model whichever mode is configured.
 """
 
@@ -28,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zaya.dist.runtime import Runtime
+from zaya.tune.profile import load_profile
 
 MODES = ("ddp", "zero1", "fsdp")
 
@@ -41,6 +47,16 @@ class Parallel:
     model: nn.Module           # the underlying ZayaForCausalLM (its parameters may be DTensors under FSDP)
     runtime: Runtime
     owner: dict[int, int] = field(default_factory=dict)   # zero1: id(param) -> owning dp rank
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The collective settings in use (``bucket_cap_mb`` or ``reshard_after_forward``) and their ``source``."""
+
+    def describe(self) -> str:
+        """The collective settings and where they came from, for the start-up log ("" in a single process)."""
+        if not self.settings:
+            return ""
+        values = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+                           for k, v in self.settings.items() if k != "source")
+        return f"{self.mode} {values} ({self.settings['source']})"
 
     @property
     def sharded(self) -> bool:
@@ -123,6 +139,8 @@ def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32") 
         raise ValueError(f"unknown parallel mode {mode!r}; use one of {', '.join(MODES)}")
     if not runtime.distributed:
         return Parallel(mode, model, model, runtime)
+    profile = load_profile(runtime.device)
+    source = f"hardware profile {profile.path}" if profile.path else "defaults: no hardware profile, see zaya tune comm"
     if mode in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -133,14 +151,16 @@ def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32") 
             # its replacement can skip the initial sync too.
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated", category=FutureWarning)
             module = DDP(model, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True,
-                         process_group=runtime.grad_group)
+                         process_group=runtime.grad_group, bucket_cap_mb=profile.ddp_bucket_mb)
         params = [p for p in model.parameters() if p.requires_grad]
         owner = assign_owners(params, runtime.grad_size) if mode == "zero1" else {}
-        return Parallel(mode, module, model, runtime, owner)
+        return Parallel(mode, module, model, runtime, owner,
+                        settings={"bucket_cap_mb": float(profile.ddp_bucket_mb), "source": source})
     from torch.distributed.fsdp import fully_shard
 
     policy = mixed_precision(dtype)
+    reshard = profile.fsdp_reshard_after_forward
     for block in model.blocks:
-        fully_shard(block, mesh=runtime.grad_mesh, mp_policy=policy)
-    fully_shard(model, mesh=runtime.grad_mesh, mp_policy=policy)
-    return Parallel(mode, model, model, runtime)
+        fully_shard(block, mesh=runtime.grad_mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=runtime.grad_mesh, mp_policy=policy)  # the root keeps FSDP2's own choice
+    return Parallel(mode, model, model, runtime, settings={"reshard_after_forward": reshard, "source": source})
