@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from zaya import errors
 
 # Verbs that only read and write files (no training or model step): a ValueError there is about their input.
-_FILE_VERBS = {"info", "export", "convert", "plot", "data", "aegis", "chaos"}
+_FILE_VERBS = {"info", "export", "convert", "plot", "data", "aegis", "chaos", "plan"}
 
 
 def _train_overrides(args: argparse.Namespace) -> list[str]:
@@ -424,6 +424,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune_comm.add_arguments(p)
     p.set_defaults(func=tune_comm.run)
+
+    p = verbs.add_parser("plan", help="memory per GPU, largest micro-batch, run time, checkpoint and data needs of a "
+                                      "config on a cluster (docs/tuning.md)",
+                         description="Plan a config on N GPUs: parameter, gradient, optimizer and activation memory "
+                                     "per GPU for ddp/zero1/fsdp with and without activation checkpointing and "
+                                     "context parallelism, the largest micro-batch that fits, tokens/s and time for "
+                                     "the token budget, communication per step, checkpoint size and write time, "
+                                     "data bandwidth.")
+    from zaya.tune import plan as tune_plan
+
+    tune_plan.add_arguments(p)
+    p.set_defaults(func=tune_plan.run)
 
     p = verbs.add_parser("info", help="parameter counts and FLOPs of a config's model")
     p.add_argument("--config", required=True, metavar="PATH", help="TOML config, e.g. configs/zaya1-base.toml")
