@@ -115,3 +115,40 @@ def test_rmsnorm_function_matches_autograd(x_dtype, w_dtype):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
         else:  # the same fp32 value up to rounding order, then one cast: at most one ulp of the dtype apart
             _ulp_close(a, b, a.dtype)
+
+
+def test_custom_backwards_run_without_autocast():
+    """The trainer's backward runs inside autocast; zaya's custom backwards must not be re-cast by it (CUDA's autocast
+    computes sum/pow/exp in fp32 and broke the MoE combine's bf16 index_copy_ on a GPU). Checked on every custom
+    Function of the model: each backward sees autocast off."""
+    import inspect
+
+    import zaya.dist.context_parallel as cp
+    from zaya.model import layers, loss, moe
+
+    functions = [obj for module in (layers, loss, moe, cp) for _, obj in inspect.getmembers(module, inspect.isclass)
+                 if issubclass(obj, torch.autograd.Function) and obj.__module__ == module.__name__]
+    assert len(functions) >= 10
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        @__import__("zaya.device", fromlist=["backward_without_autocast"]).backward_without_autocast
+        def backward(ctx, grad):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return grad * 2
+
+    x = torch.ones(3, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Probe.apply(x).sum().backward()
+    assert seen == [False]
+    for fn in functions:
+        marks, f = [], fn.backward
+        while f is not None:
+            marks.append(getattr(f, "autocast_off", False))
+            f = getattr(f, "__wrapped__", None)
+        assert any(marks), fn.__name__

@@ -7,8 +7,9 @@ Under torchrun each process takes the GPU of its ``LOCAL_RANK``.
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 import torch
 
@@ -47,6 +48,25 @@ def autocast(device: torch.device, dtype: str) -> ContextManager:
     if dtype == "bfloat16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
+
+
+def backward_without_autocast(backward: Callable) -> Callable:
+    """For a custom ``autograd.Function.backward``: run it with autocast off, in the dtypes of its saved tensors.
+
+    The trainer's backward runs inside its autocast region, and autograd carries that state into custom backwards.
+    Autocast's op lists differ by device: CUDA's computes ``sum``, ``pow``, ``exp``... in fp32 (the CPU's does
+    not), so a backward written for bf16 operands gets an fp32 intermediate on a GPU only (``index_copy_`` into a
+    bf16 buffer then fails). The backwards pick their dtypes explicitly; autocast has no say in them.
+    """
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        device = next((g.device.type for g in grads if isinstance(g, torch.Tensor)), "cpu")
+        with torch.autocast(device, enabled=False):
+            return backward(ctx, *grads)
+
+    run.autocast_off = True  # a mark tests check every custom backward for
+    return run
 
 
 def synchronize(device: torch.device) -> None:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zaya.device import backward_without_autocast
 from zaya.model.attention import SequenceSeam, document_mask
 
 METHODS = ("ring", "allgather")
@@ -153,6 +154,7 @@ class _Boundary(torch.autograd.Function):
         return hist_first, hist_second
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad_first: torch.Tensor, grad_second: torch.Tensor):  # noqa: D102
         cp: CPGroup = ctx.cp
         r, w = cp.rank, cp.size
@@ -324,6 +326,7 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, dout):  # noqa: D102
         q, k, v, out, lse, documents = ctx.saved_tensors
         cp: CPGroup = ctx.cp
@@ -397,6 +400,7 @@ class _GatheredSequence(torch.autograd.Function):
         return _to_sequence_order(pending.result(), dim=2).float()
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         cp: CPGroup = ctx.cp
         parts = _to_rank_order(grad.float(), cp.size, dim=2).contiguous()
@@ -424,6 +428,7 @@ class _ChunkAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
+    @backward_without_autocast
     def backward(ctx, dout):  # noqa: D102
         q, k, v, out, lse, q_docs, k_docs = ctx.saved_tensors
         dout = dout.contiguous()

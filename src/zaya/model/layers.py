@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from zaya.device import backward_without_autocast
+
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * (x * r) in x's dtype, r = rsqrt(mean(x^2) + eps) in fp32 [..., 1])."""
@@ -27,6 +29,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         x, weight, r = ctx.saved_tensors
         x32 = x.float()
@@ -102,6 +105,7 @@ class _ResidualScaleFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         branch, residual, bb, bs, rb, rs = ctx.saved_tensors
         need = ctx.needs_input_grad

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from zaya.device import backward_without_autocast
 from zaya.tune.profile import load_profile
 
 IGNORE_INDEX = -100
@@ -58,6 +59,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         logits, safe, valid, count = ctx.saved_tensors
         n, v = logits.shape

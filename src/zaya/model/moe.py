@@ -39,6 +39,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from zaya.config import ModelConfig
+from zaya.device import backward_without_autocast
 from zaya.model.router import build_router
 
 
@@ -61,6 +62,7 @@ class _DispatchRows(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         dest, skipped = ctx.saved_tensors
         slots = ctx.n * ctx.k
@@ -90,6 +92,7 @@ class _CombineRows(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         y, weights, dest = ctx.saved_tensors
         g = grad.index_select(0, dest)
@@ -115,6 +118,7 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         (h,) = ctx.saved_tensors
         gate, up = h.chunk(2, dim=-1)
@@ -147,6 +151,7 @@ class _GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_without_autocast
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         x, weight, offsets, empty = ctx.saved_tensors
         grad = grad.contiguous()
