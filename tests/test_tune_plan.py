@@ -186,8 +186,8 @@ def test_cli_plan_json_and_table(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text((ROOT / "configs" / "tiny.toml").read_text())
     r = _zaya("plan", "--config", str(config), "--gpus", "2", "--gpu-memory", "1", "--tflops", "0.07",
-              "--net-gbps", "10", "--storage-gbps", "8", "--set", "model.num_layers=2", "--json",
-              "--parallel", "zero1", "--parallel", "fsdp")
+              "--net-gbps", "10", "--storage-gbps", "8", "--set", "model.num_layers=2",
+              "--set", 'train.dtype="float32"', "--json", "--parallel", "zero1", "--parallel", "fsdp")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     (stage,) = result["stages"]
