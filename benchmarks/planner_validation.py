@@ -8,7 +8,7 @@ state exists from the first), its forward/backward part and its optimizer part, 
 Estimated: ``zaya.tune.plan.memory_plan`` for the same config, mode and world size. Reported per case: both peaks
 and their ratio; the target is |estimate / measured - 1| <= 15 %.
 
-    python benchmarks/planner_validation.py             # 3 shapes x (ddp, zero1, fsdp), fp32, and the tiny model in bf16
+    python benchmarks/planner_validation.py          # 3 shapes x (ddp, zero1, fsdp) in fp32; tiny in bf16; one rank
     python benchmarks/planner_validation.py --quick     # 3 shapes x (zero1, fsdp), fp32 (the test's set)
 """
 
@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
             cases = build_cases(list(SHAPES), ["ddp", "zero1", "fsdp"], "float32", root, None)
             cases += build_cases(["tiny"], ["zero1", "fsdp"], "bfloat16", root, None)
         rows = validate(cases)
+        if not args.quick:  # one process: no wrapper, the gradients live only from the backward to the step
+            single = build_cases(["tiny"], ["ddp"], "float32", f"{root}/one-rank", None)
+            for row in validate(single, world=1):
+                row["case"] += " (1 rank)"
+                rows.append(row)
     if args.json:
         for r in rows:
             print(json.dumps(r))

@@ -275,6 +275,8 @@ def test_two_ranks_match_one_process(tmp_path, micro_config, single_process_refe
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(single_process_reference), rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow  # 30 s: single-process exact resume (test_stop_and_resume_is_bit_identical) and 2-rank training
+# (test_two_ranks_match_one_process) and resharded loads (test_checkpoint_dist) cover its parts
 def test_two_rank_resume_matches_uninterrupted(tmp_path, micro_config):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     torchrun(micro_config(straight, name="a.toml"), *DIST_SETTINGS, "--set", 'train.parallel="zero1"')

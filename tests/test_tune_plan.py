@@ -230,3 +230,13 @@ def test_estimate_within_15_percent_of_measured_peaks(tmp_path, shakespeare_data
     assert len(rows) == 6
     for row in rows:
         assert abs(row["ratio"] - 1) <= 0.15, (row["case"], row["ratio"], row["measured"], row["estimated"])
+
+
+def test_single_process_estimate_within_15_percent(tmp_path, shakespeare_dataset):
+    """One process runs without a wrapper (gradients dropped after each step): the planner's gpus = 1 case."""
+    import planner_validation as pv
+
+    (row,) = pv.validate(pv.build_cases(["tiny"], ["ddp"], "float32", str(tmp_path), str(shakespeare_dataset)),
+                         world=1)
+    assert row["estimated"]["persistent"] < row["measured"]["forward_backward"]
+    assert abs(row["ratio"] - 1) <= 0.15, row

@@ -4,13 +4,15 @@ For a config, a GPU count and the hardware's memory, speed, network and storage,
 and for each parallel mode (ddp, zero1, fsdp), with and without activation checkpointing and context parallelism:
 
 * **Memory per GPU**, in parts. Persistent (between steps): fp32 master weights (4 bytes per parameter), fp32
-  gradients (4: DDP's and ZeRO-1's gradient buckets stay allocated; FSDP2 keeps its shard), optimizer state (Muon's
-  momentum, 4 bytes per matrix parameter; AdamW's two moments, 8 bytes per other parameter); ZeRO-1 holds the state
-  of the parameters a rank owns (zaya's size-balanced owners: the largest rank's share is used), FSDP2 a 1/dp shard
-  of all three. Per micro-batch: the activation memory of the forward and backward, *traced* from the model's own
-  code on fake tensors (``zaya.tune.activation_trace``: saved activations, autocast's weight copies, the loss and
-  backward temporaries, by phase), plus FSDP2's gathered weights (the root module's and two blocks', or every block's
-  without resharding after the forward) and one block's unsharded gradients and reduce-scatter buffers, plus, under
+  gradients (4: DDP's and ZeRO-1's gradient buckets stay allocated; FSDP2's sharded gradients and a single GPU's are
+  dropped after each step and made again in the backward), optimizer state (Muon's momentum, 4 bytes per matrix
+  parameter; AdamW's two moments, 8 bytes per other parameter). ZeRO-1 holds the state of the parameters a rank owns
+  (zaya's size-balanced owners: the largest rank's share is used), FSDP2 a 1/N shard of all three (N = every rank:
+  gradients are reduced over dp x cp). Per micro-batch: the activation memory of the forward and backward, *traced*
+  from the model's own code on fake tensors (``zaya.tune.activation_trace``: saved activations, autocast's weight
+  copies, the loss and backward temporaries, by phase), plus FSDP2's gathered weights (the root module's and two
+  blocks', or every block's without resharding after the forward) and one block's unsharded gradients and
+  reduce-scatter buffers, plus, under
   context parallelism with all-gathered K/V, the gathered remote K/V of every layer. Optimizer step: the persistent
   memory plus Muon's Newton-Schulz work on the largest matrix and ZeRO-1's parameter broadcast buffer.
   The peak is the larger of the micro-batch's and the optimizer step's.
@@ -67,13 +69,13 @@ class Sizes:
     """Parameters outside the blocks (embedding / tied head, final norm)."""
     buffers_bytes: int
     owned_max: int
-    """Under ZeRO-1 at the planned dp: elements of the rank owning the most (0 until ``with_owners``)."""
+    """Under ZeRO-1 over the planned ranks: elements of the rank owning the most."""
     owned_muon: int
     owned_adamw: int
 
 
 @functools.lru_cache(maxsize=32)
-def _model_sizes(model_key: str, dp: int) -> Sizes:
+def _model_sizes(model_key: str, ranks: int) -> Sizes:
     from zaya.config import model_config_from_dict
     from zaya.dist.parallel import assign_owners
     from zaya.model import ZayaForCausalLM
@@ -89,12 +91,12 @@ def _model_sizes(model_key: str, dp: int) -> Sizes:
     params = muon + adamw
     block = sum(p.numel() for p in model.blocks[0].parameters())
     total = sum(p.numel() for p in params)
-    owner = assign_owners(params, dp)
+    owner = assign_owners(params, ranks)
     muon_ids = {id(p) for p in muon}
-    load = [[0, 0] for _ in range(dp)]
+    load = [[0, 0] for _ in range(ranks)]
     for p in params:
         load[owner[id(p)]][0 if id(p) in muon_ids else 1] += p.numel()
-    heaviest = max(range(dp), key=lambda r: 4 * load[r][0] + 8 * load[r][1])
+    heaviest = max(range(ranks), key=lambda r: 4 * load[r][0] + 8 * load[r][1])
     shapes: dict[tuple[int, int], int] = {}
     for p in muon:
         m, n = p.shape[-2:]
@@ -108,10 +110,10 @@ def _model_sizes(model_key: str, dp: int) -> Sizes:
                  owned_max=max(sum(x) for x in load), owned_muon=load[heaviest][0], owned_adamw=load[heaviest][1])
 
 
-def model_sizes(config: Config, dp: int) -> Sizes:
+def model_sizes(config: Config, ranks: int) -> Sizes:
     from zaya.config import to_dict
 
-    return _model_sizes(json.dumps(to_dict(config.model), sort_keys=True), dp)
+    return _model_sizes(json.dumps(to_dict(config.model), sort_keys=True), ranks)
 
 
 @functools.lru_cache(maxsize=64)
@@ -123,10 +125,10 @@ def _activations(model_key: str, seq_len: int, dtype: str, ac: bool, param_dtype
                             activation_checkpointing=ac, param_dtype=param_dtype)
 
 
-def persistent_bytes(sizes: Sizes, mode: str, dp: int) -> dict[str, int]:
+def persistent_bytes(sizes: Sizes, mode: str, ranks: int) -> dict[str, int]:
     """Bytes per GPU between steps: master weights, gradients, optimizer state, buffers."""
     if mode == "fsdp":
-        shard = lambda n: math.ceil(n / dp)  # noqa: E731
+        shard = lambda n: math.ceil(n / ranks)  # noqa: E731
         # The sharded gradients are dropped after each step (zero_grad(set_to_none)) and made again in the backward.
         return {"weights": 4 * shard(sizes.total), "gradients": 0,
                 "optimizer": 4 * shard(sizes.muon) + 8 * shard(sizes.adamw), "buffers": sizes.buffers_bytes}
@@ -140,9 +142,14 @@ def persistent_bytes(sizes: Sizes, mode: str, dp: int) -> dict[str, int]:
 def memory_plan(config: Config, *, gpus: int, parallel: str, micro_batch: int, seq_len: int, cp: int = 1,
                 activation_checkpointing: bool = False, reshard_after_forward: bool | None = None,
                 device_type: str = "cuda", budget_bytes: float | None = None) -> dict[str, Any]:
-    """Bytes per GPU for one stage shape (see the module docstring); keys: the parts, ``persistent``,
-    ``forward_backward``, ``optimizer``, ``peak``, ``per_sequence`` (the peak's growth per extra sequence) and,
-    given ``budget_bytes``, ``max_micro_batch`` (0: not even one sequence fits)."""
+    """Bytes per GPU for one stage shape (see the module docstring); keys: the parts (``weights``, ``gradients``,
+    ``optimizer`` state, ``buffers``, ``activations``), ``persistent``, ``forward_backward``, ``optimizer_step``,
+    ``peak``, ``per_sequence`` (the peak's growth per extra sequence) and, given ``budget_bytes``,
+    ``max_micro_batch`` (0: not even one sequence fits).
+
+    Gradients are reduced, and ZeRO-1 / FSDP2 shard, over every rank (dp x cp: each holds different tokens), so the
+    shard count is ``gpus``. One GPU runs without a wrapper: its gradients are made in the backward and dropped after
+    the step, so they count in the blocks' backward and the optimizer step, not between steps."""
     if parallel not in MODES:
         raise ConfigError(f"--parallel {parallel!r}: must be one of {', '.join(MODES)}")
     if gpus % cp:
@@ -152,9 +159,10 @@ def memory_plan(config: Config, *, gpus: int, parallel: str, micro_batch: int, s
 
     mc, dtype = config.model, config.train.dtype
     dp = gpus // cp
-    sizes = model_sizes(config, dp)
+    sizes = model_sizes(config, gpus)
     compute_bytes = 2 if dtype == "bfloat16" else 4
-    fsdp = parallel == "fsdp" and dp > 1
+    fsdp = parallel == "fsdp" and gpus > 1
+    single = gpus == 1
     if reshard_after_forward is None:
         reshard_after_forward = load_profile(torch.device("cpu")).fsdp_reshard_after_forward
     key = json.dumps(to_dict(mc), sort_keys=True)
@@ -176,34 +184,40 @@ def memory_plan(config: Config, *, gpus: int, parallel: str, micro_batch: int, s
             # The root's gradients wait for the end of the backward; one block's unsharded gradients, their fp32
             # copy for the reduce-scatter under bf16, and its output shard.
             block_grads = (compute_bytes * sizes.block + (4 * sizes.block if compute_bytes != 4 else 0)
-                           + 4 * math.ceil(sizes.block / dp))
+                           + 4 * math.ceil(sizes.block / gpus))
             extra = {"forward_peak": root + blocks(2), "head_peak": 2 * root + blocks(1),
                      "blocks_peak": 2 * root + blocks(2) + block_grads}
         if cp > 1 and config.train.context_parallel_method == "allgather":
             # Every layer keeps the gathered K and V of the other ranks' chunks for its backward.
             remote_kv = layers * batch * (seq_len - rank_seq) * 2 * mc.num_kv_heads * mc.head_dim * compute_bytes
             extra = {k: v + remote_kv for k, v in extra.items()}
+        if single:  # every gradient exists by the end of the backward
+            extra["blocks_peak"] += 4 * sizes.total
         total = {k: phases[k] + extra[k] for k in phases}
         return {"activations": acts.saved_bytes(layers, tokens), "micro_batch_peak": max(total.values())}
 
-    persistent = persistent_bytes(sizes, parallel if dp > 1 else "ddp", dp)
+    persistent = persistent_bytes(sizes, parallel if gpus > 1 else "ddp", gpus)
+    if single:
+        persistent["gradients"] = 0
     fixed = sum(persistent.values())
     m1, m2 = micro(micro_batch), micro(micro_batch + 1)
     forward_backward = fixed + m1["micro_batch_peak"]
     # Optimizer step (a coarser model than the micro-batch's; it is rarely the peak): Newton-Schulz iterates of the
     # largest matrix (about five copies in its dtype; GPUs batch same-shape matrices, CPUs run big ones singly);
-    # with DDP, distributed Muon's exchange of the updates a rank computed (4 bytes per matrix parameter / dp);
+    # with DDP, distributed Muon's exchange of the updates a rank computed (4 bytes per matrix parameter / ranks);
     # with ZeRO-1, two of the flat buffers the owners broadcast their parameters in.
     ns_bytes = 2 if config.optim.muon_ns_dtype == "bfloat16" else 4
     optimizer_work = 5 * ns_bytes * (sizes.largest_stack if device_type == "cuda" else sizes.largest_matrix)
-    if parallel == "ddp" and dp > 1 and config.optim.muon_distributed != "local":
-        optimizer_work += 4 * math.ceil(sizes.muon / dp)
-    if parallel == "zero1" and dp > 1:
+    if single:
+        optimizer_work += 4 * sizes.total  # the gradients
+    if parallel == "ddp" and gpus > 1 and config.optim.muon_distributed != "local":
+        optimizer_work += 4 * math.ceil(sizes.muon / gpus)
+    if parallel == "zero1" and gpus > 1:
         optimizer_work += 2 * 4 * sizes.owned_max
     if fsdp:
         # The sharded gradients (alive until the step ends) and distributed Muon's all-to-all of whole matrices to
-        # their owners and back (send and receive buffers, each about a 1/dp share of the matrices).
-        optimizer_work += 4 * math.ceil(sizes.total / dp) + 2 * 4 * math.ceil(sizes.muon / dp)
+        # their owners and back (send and receive buffers, each about a 1/ranks share of the matrices).
+        optimizer_work += 4 * math.ceil(sizes.total / gpus) + 2 * 4 * math.ceil(sizes.muon / gpus)
     optimizer = fixed + optimizer_work
     out: dict[str, Any] = {"parallel": parallel, "gpus": gpus, "dp": dp, "cp": cp, "micro_batch": micro_batch,
                            "seq_len": seq_len, "activation_checkpointing": activation_checkpointing, **persistent,
@@ -214,13 +228,14 @@ def memory_plan(config: Config, *, gpus: int, parallel: str, micro_batch: int, s
     if budget_bytes is not None:
         out["max_micro_batch"] = 0
         if optimizer <= budget_bytes:
-            # The peak grows with the micro-batch (monotone): step up, then halve the stride back.
-            lo, stride = 0, 1
-            while stride and lo + stride <= MAX_MICRO_BATCH:
-                if fixed + micro(lo + stride)["micro_batch_peak"] <= budget_bytes:
-                    lo, stride = lo + stride, stride * 2
+            # The peak grows with the micro-batch (monotone): gallop up while it fits, then bisect.
+            lo, stride, failed = 0, 1, False
+            while stride:
+                if lo + stride <= MAX_MICRO_BATCH and fixed + micro(lo + stride)["micro_batch_peak"] <= budget_bytes:
+                    lo += stride
+                    stride = stride // 2 if failed else stride * 2
                 else:
-                    stride //= 2
+                    failed, stride = True, stride // 2
             out["max_micro_batch"] = lo
     return out
 
@@ -293,7 +308,7 @@ def train_flops_per_token(config: Config, seq_len: int) -> float:
     return 3 * sum(forward_flops_per_token(config.model, round(seq_len / 2)).values())
 
 
-def comm_bytes_per_step(sizes: Sizes, mode: str, dp: int, compute_bytes: int, reshard: bool,
+def comm_bytes_per_step(sizes: Sizes, mode: str, ranks: int, compute_bytes: int, reshard: bool,
                         gpus_per_node: int) -> dict[str, float]:
     """Bytes each GPU's NIC sends per optimizer step for the data-parallel collectives.
 
@@ -302,13 +317,13 @@ def comm_bytes_per_step(sizes: Sizes, mode: str, dp: int, compute_bytes: int, re
     its peers on the other nodes, so a NIC carries (nodes - 1) / nodes of that share per pass (an all-reduce is two
     passes). Inside one node nothing crosses a NIC: the figure is then the fabric's traffic per GPU.
     """
-    if dp <= 1:
+    if ranks <= 1:
         return {}
-    if dp > gpus_per_node:
-        nodes = dp / gpus_per_node
+    if ranks > gpus_per_node:
+        nodes = ranks / gpus_per_node
         share = (nodes - 1) / nodes / gpus_per_node
     else:
-        share = (dp - 1) / dp
+        share = (ranks - 1) / ranks
     grads = 4 * sizes.total
     if mode == "ddp":
         return {"all_reduce_gradients": 2 * share * grads}
@@ -363,9 +378,9 @@ def plan(config: Config, hw: Hardware, *, modes: tuple[str, ...] = MODES, ac_opt
         total_seconds += seconds
         step_seconds = st.global_batch_tokens / tokens_per_s
         comm = {}
-        sizes = model_sizes(config, hw.gpus // st.cp)
+        sizes = model_sizes(config, hw.gpus)
         for mode in modes:
-            parts = comm_bytes_per_step(sizes, mode, hw.gpus // st.cp, compute_bytes, reshard, hw.gpus_per_node)
+            parts = comm_bytes_per_step(sizes, mode, hw.gpus, compute_bytes, reshard, hw.gpus_per_node)
             total = sum(parts.values())
             comm[mode] = {"bytes_per_gpu": total, **{k: v for k, v in parts.items()},
                           "seconds": total / bits(hw.net_gbps) if hw.net_gbps else None,
