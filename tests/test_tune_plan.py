@@ -24,6 +24,8 @@ from zaya.tune.live_memory import LiveMemory
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import planner_validation as pv  # noqa: E402 (after the path)
+
 SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_query_heads=2", "model.num_kv_heads=2",
          "model.head_dim=32", "model.num_experts=4", "model.expert_hidden_size=128", "model.router_hidden_size=32",
          "model.vocab_size=512", "model.max_seq_len=64", "train.seq_len=64"]
@@ -226,12 +228,10 @@ def test_cli_plan_errors(argv, needle, tmp_path, monkeypatch, capsys):
 # which both modes still cover, on different shapes.
 @pytest.mark.parametrize("pairs", [
     [("tiny", "zero1"), ("wide", "fsdp"), ("deep", "zero1")],
-    pytest.param([(s, m) for s in ("tiny", "wide", "deep") for m in ("zero1", "fsdp")], marks=pytest.mark.slow),
+    pytest.param([(s, m) for s in pv.SHAPES for m in ("zero1", "fsdp")], marks=pytest.mark.slow),
 ], ids=["each-shape", "every-shape-and-mode"])
 def test_estimate_within_15_percent_of_measured_peaks(pairs, tmp_path, shakespeare_dataset):
     """Shapes x (ZeRO-1, FSDP2), fp32, real Trainer steps on 2 gloo ranks."""
-    import planner_validation as pv
-
     assert {s for s, _ in pairs} == set(pv.SHAPES)
     cases = [case for shape, mode in pairs
              for case in pv.build_cases([shape], [mode], "float32", str(tmp_path), str(shakespeare_dataset))]
@@ -243,8 +243,6 @@ def test_estimate_within_15_percent_of_measured_peaks(pairs, tmp_path, shakespea
 
 def test_single_process_estimate_within_15_percent(tmp_path, shakespeare_dataset):
     """One process runs without a wrapper (gradients dropped after each step): the planner's gpus = 1 case."""
-    import planner_validation as pv
-
     (row,) = pv.validate(pv.build_cases(["tiny"], ["ddp"], "float32", str(tmp_path), str(shakespeare_dataset)),
                          world=1)
     assert row["estimated"]["persistent"] < row["measured"]["forward_backward"]
