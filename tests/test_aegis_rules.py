@@ -82,6 +82,34 @@ def test_hang_blames_the_stopped_rank_and_uses_the_phase_timeouts():
     assert late.fault == "hang" and "phase startup" in late.evidence[0]
 
 
+
+def test_hang_acts_on_a_stopped_process_before_its_heartbeat_goes_stale():
+    timeouts = {"startup": 60, "train": 30, "checkpoint": 60, "eval": 60}
+    rule = Hang(timeouts, stopped_timeout=5)
+    beats = {0: hb(0, step=11, t=T0 + 99), 1: hb(1, step=11, t=T0 + 99)}
+    # first seen stopped at T0 + 100: not yet (the heartbeat is 1 s old, the stop has lasted 0 s)
+    assert rule.check(obs(heartbeats=beats, process_status={0: "sleeping", 1: "stopped"})) == []
+    assert rule.check(obs(now=T0 + 104, heartbeats=beats, process_status={0: "sleeping", 1: "stopped"})) == []
+    (f,) = rule.check(obs(now=T0 + 105.5, heartbeats=beats, process_status={0: "sleeping", 1: "stopped"}))
+    assert f.rank == 1 and f.step == 11 and "process stopped" in f.evidence[0] and "5.5 s" in f.evidence[0]
+    assert f.since == T0 + 99  # the last heartbeat: the stop came after it
+    # a process that runs again (SIGCONT) starts over; a new process (another pid, a relaunch) too
+    rule = Hang(timeouts, stopped_timeout=5)
+    rule.check(obs(heartbeats=beats, process_status={1: "stopped"}))
+    rule.check(obs(now=T0 + 103, heartbeats=beats, process_status={1: "running"}))
+    assert rule.check(obs(now=T0 + 106, heartbeats=beats, process_status={1: "stopped"})) == []
+    relaunched = {0: beats[0], 1: hb(1, step=11, t=T0 + 99, pid=999)}
+    assert rule.check(obs(now=T0 + 110, heartbeats=relaunched, process_status={1: "stopped"})) == []
+    assert rule.check(obs(now=T0 + 115, heartbeats=relaunched, process_status={1: "stopped"}))[0].rank == 1
+    # a tracer's stop (state t: a debugger, py-spy) and a sleeping rank are not stopped; without the option the
+    # rule waits for the phase timeout as before
+    traced = Hang(timeouts, 5)
+    for now in (T0 + 100, T0 + 110):
+        assert traced.check(obs(now=now, heartbeats=beats, process_status={0: "tracing-stop", 1: "sleeping"})) == []
+    plain = Hang(timeouts)
+    plain.check(obs(heartbeats=beats, process_status={1: "stopped"}))
+    assert plain.check(obs(now=T0 + 120, heartbeats=beats, process_status={1: "stopped"})) == []
+
 def test_gpu_hardware_maps_xid_and_amdgpu_lines_to_ranks():
     beats = {0: hb(0, device="0000:3b:00"), 1: hb(1, device="cpu:1")}
     o = obs(heartbeats=beats, new_lines=lines("NVRM: Xid (PCI:0000:3B:00): 79, pid=0, GPU has fallen off the bus.",

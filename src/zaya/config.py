@@ -376,6 +376,9 @@ class AegisConfig:
     """A rank in phase "train" whose heartbeat is older than this is hung (one step should never take as long)."""
     startup_timeout_s: float = resumable(900.0)
     """The same for phase "startup" (imports, data, model build, checkpoint load) and a rank not yet heard from."""
+    stopped_timeout_s: float = resumable(5.0)
+    """A rank whose process is stopped (state T: SIGSTOP/SIGTSTP; it never resumes by itself) this long is hung,
+    whatever its heartbeat's age. Raise it to pause a supervised job by hand; a silent rank waits for the timeouts."""
     checkpoint_timeout_s: float = resumable(1800.0)
     """The same for phase "checkpoint" (a blocking save can take minutes on a large model)."""
     eval_timeout_s: float = resumable(900.0)
@@ -447,7 +450,8 @@ class AegisConfig:
             if f.name.startswith("on_") and getattr(self, f.name) not in actions:
                 raise ConfigError(f"aegis.{f.name} = {getattr(self, f.name)!r}: must be one of "
                                   + ", ".join(f'"{a}"' for a in actions))
-        for key in ("poll_s", "heartbeat_timeout_s", "startup_timeout_s", "checkpoint_timeout_s", "eval_timeout_s"):
+        for key in ("poll_s", "heartbeat_timeout_s", "startup_timeout_s", "stopped_timeout_s",
+                    "checkpoint_timeout_s", "eval_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"aegis.{key} = {getattr(self, key)!r}: must be > 0 (seconds)")
         for key in ("max_repeats", "rewind_steps", "skip_steps", "lr_cut_steps", "spares", "nic_flaps",

@@ -239,12 +239,20 @@ class NonFiniteLoss:
 class Hang:
     """No heartbeat within the phase's timeout (start-up and checkpoint saves get longer ones). The culprit is a
     rank whose process is stopped or gone, else the one that is furthest behind: its peers wait for it in a
-    collective, so their heartbeats go stale too."""
+    collective, so their heartbeats go stale too.
+
+    A rank whose process has been *stopped* (state T: SIGSTOP/SIGTSTP, a job-control stop, which never ends by
+    itself) for ``stopped_timeout`` seconds is hung at once, without waiting for its heartbeat to go stale: the
+    state is direct evidence, and the phase timeouts must be long enough for a slow step or save. A rank that is
+    merely silent (a deadlock in a collective: its process sleeps or spins) is only caught by the timeouts."""
 
     name = "hang"
 
-    def __init__(self, timeouts: dict[str, float]):
+    def __init__(self, timeouts: dict[str, float], stopped_timeout: float | None = None):
         self.timeouts = timeouts
+        self.stopped_timeout = stopped_timeout
+        self._stopped_since: dict[tuple[int, Any], float] = {}
+        """(rank, pid) -> when its process was first seen stopped (forgotten as soon as it is not)."""
 
     def check(self, obs: Observation) -> list[Finding]:
         if obs.ended:
@@ -260,6 +268,17 @@ class Hang:
             age = obs.now - last
             if age > limit:
                 stale.append((rank, phase, hb.get("step", 0) if hb else None, age, limit, last))
+        stopped = self._stopped(obs)
+        if stopped and not stale:
+            rank, seconds = stopped[0]
+            hb = obs.heartbeats[rank]
+            last = hb["time"]
+            evidence = [f"rank {r}: process stopped (pid {obs.heartbeats[r].get('pid')}, state T: SIGSTOP or SIGTSTP) "
+                        f"for {s:.1f} s >= aegis.stopped_timeout_s {self.stopped_timeout:g} s; phase "
+                        f"{obs.heartbeats[r].get('phase')}, step {obs.heartbeats[r].get('step', 0)}, last heartbeat "
+                        f"{obs.now - obs.heartbeats[r]['time']:.1f} s ago" for r, s in stopped]
+            return [Finding(self.name, "hang", evidence, "hang", exit_code=errors.COLLECTIVE_ERROR, rank=rank,
+                            step=hb.get("step", 0), since=min(last, obs.now - seconds))]
         if not stale:
             return []
         bad = {"stopped", "zombie", "gone", "dead", "tracing-stop"}
@@ -269,6 +288,18 @@ class Hang:
                     f" (process {obs.process_status.get(r, 'unknown')})" for r, ph, st, a, lim, _ in stale]
         return [Finding(self.name, "hang", evidence, "hang", exit_code=errors.COLLECTIVE_ERROR, rank=rank,
                         step=step, since=last)]
+
+    def _stopped(self, obs: Observation) -> list[tuple[int, float]]:
+        """Ranks stopped for at least ``stopped_timeout`` (rank, seconds), longest first; updates the history."""
+        if self.stopped_timeout is None:
+            return []
+        now_stopped = {(r, obs.heartbeats[r].get("pid")) for r, status in obs.process_status.items()
+                       if status == "stopped" and r in obs.heartbeats
+                       and obs.heartbeats[r].get("phase") != "exited"}
+        self._stopped_since = {key: self._stopped_since.get(key, obs.now) for key in now_stopped}
+        due = [(key[0], obs.now - t) for key, t in self._stopped_since.items()
+               if obs.now - t >= self.stopped_timeout]
+        return sorted(due, key=lambda d: -d[1])
 
 
 _XID = re.compile(r"NVRM: Xid \(PCI:([^)]+)\): (\d+)")
@@ -478,7 +509,8 @@ def build_detectors(cfg) -> list:
     """Every rule, configured from ``[aegis]``."""
     timeouts = {"startup": cfg.startup_timeout_s, "train": cfg.heartbeat_timeout_s,
                 "checkpoint": cfg.checkpoint_timeout_s, "eval": cfg.eval_timeout_s}
-    return [RankExited(), CollectiveFault(), OutOfMemory(), NonFiniteLoss(), Hang(timeouts), GpuHardware(),
+    return [RankExited(), CollectiveFault(), OutOfMemory(), NonFiniteLoss(), Hang(timeouts, cfg.stopped_timeout_s),
+            GpuHardware(),
             NicFlap(cfg.nic_flaps, cfg.nic_window_s), LossSpike(cfg.spike_window, cfg.spike_sigma,
                                                                cfg.spike_min_steps),
             Straggler(cfg.straggler_factor, cfg.straggler_beats), DiskFull(cfg.min_free_mb), CheckpointCorrupt()]
