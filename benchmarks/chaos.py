@@ -6,9 +6,12 @@ checkpoint, exit 75).
 Printed (and with ``--json`` one JSON line): faults injected and decisions per kind, whether each was recovered,
 mean time to detect (from the injection: ``aegis/chaos.jsonl``) and to recover, steps redone, ETTR (productive step
 time / wall time, from the first launch to the end), and "nothing lost": the kept timeline's steps are 1..N
-without a gap, and the last checkpoint is the last step. A stall must cause no decision.
+without a gap, and the last checkpoint is the last step. A stall must cause no decision. Also: relaunches served
+by the warm standby, seconds of steps trained twice, and the median step time with and without a periodic save
+just before it (that cost counts as productive step time, so ETTR does not show it).
 
     python benchmarks/chaos.py                      # 10 minutes, a fault every 2 minutes (the issue's setting)
+    python benchmarks/chaos.py --set aegis.warm_standby=false   # the same, every relaunch cold
     python benchmarks/chaos.py --minutes 4 --every 60
 """
 
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +41,8 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--hang-timeout", type=float, default=20.0, help="aegis.heartbeat_timeout_s")
     ap.add_argument("--run-dir", default="")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another config override, e.g. --set aegis.warm_standby=false (repeatable)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -51,7 +57,7 @@ def main() -> int:
             "train.eval_every=0", f"checkpoint.every={args.checkpoint_every}", "train.log_every=10",
             "optim.schedule_steps=100000", f"aegis.heartbeat_timeout_s={args.hang_timeout}",
             "aegis.startup_timeout_s=300", "aegis.max_repeats=1000", "aegis.poll_s=0.5",
-            f'checkpoint.ram_dir="{run}.ram"']
+            f'checkpoint.ram_dir="{run}.ram"', *args.set]
     cmd = [sys.executable, "-m", "zaya", "run", "--config", args.config, "--run-dir", str(run), "--max-steps",
            "1000000", "--nproc-per-node", str(args.nproc), "--chaos", "live", "--quiet"]
     for s in sets:
@@ -103,12 +109,21 @@ def main() -> int:
                 row["recovered"] += 1
                 row["recover_s"].append(d.get("time_to_recover_s"))
                 row["redone"] += d.get("steps_redone") or 0
-    records = {}
+    records, timeline = {}, []
     for line in (run / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
         if r.get("kind") == "train":
             records[r["step"]] = r
+            timeline.append(r)
     steps = sorted(records)
+    # Where the rest of the wall time went: steps trained twice (the superseded records), and what a periodic
+    # save costs the step after it (counted as productive step time, so ETTR does not show it).
+    redone_s = sum(r.get("step_time_s", 0) for r in timeline) - sum(r.get("step_time_s", 0) for r in records.values())
+    every = args.checkpoint_every
+    after = [b["step_time_s"] for a, b in zip(timeline, timeline[1:]) if b["step"] == a["step"] + 1
+             and a["step"] % every == 0 and "step_time_s" in b]
+    plain = [b["step_time_s"] for a, b in zip(timeline, timeline[1:]) if b["step"] == a["step"] + 1
+             and a["step"] % every != 0 and "step_time_s" in b]
     from zaya.checkpoint.store import latest_checkpoint, read_meta
 
     newest = latest_checkpoint(run / "checkpoints")
@@ -117,6 +132,9 @@ def main() -> int:
               "no_gap": steps == list(range(1, len(steps) + 1)), "last_checkpoint_step": last_saved,
               "nothing_lost": steps == list(range(1, len(steps) + 1)) and last_saved == (steps[-1] if steps else None),
               "supervisor_exit": sup.returncode, "ettr": report["ettr"], "productive_s": report["productive_s"],
+              "warm_launches": report["warm_launches"], "redone_s": round(redone_s, 1),
+              "median_step_s": round(statistics.median(plain), 3) if plain else None,
+              "median_step_after_save_s": round(statistics.median(after), 3) if after else None,
               "per_kind": per_kind, "decisions": [(d["detector"], d["action"], d.get("outcome")) for d in decisions]}
     if args.json:
         print(json.dumps(result))

@@ -59,6 +59,18 @@ def reference(cfg: Path, run: Path, directives: Path | None, steps: int = 16) ->
     return [r["loss"] for r in train_records(run)]
 
 
+def leftover_processes(where: Path) -> list[str]:
+    """Processes still running with ``where`` (the test directory) on their command line: a leaked rank/standby."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        line = " ".join(p.info["cmdline"] or [])
+        if str(where) in line:
+            out.append(f"{p.pid}: {line[:200]}")
+    return out
+
+
 def final_model(run: Path) -> dict[str, torch.Tensor]:
     import zaya
 
@@ -101,10 +113,17 @@ def test_supervised_run_recovers_from_kill_hang_and_nan_and_ignores_a_short_stal
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6, msg=name)
 
-    from zaya.aegis.events import summarise
+    from zaya.aegis.events import read_events, summarise
+
+    # The slow steps leave the supervisor time to start attempt 1 ahead (the warm standby) before the kill; the
+    # later relaunches are warm when a look fell between their recovery and the next fault. None outlives the run.
+    launches = [e for e in read_events(run / "aegis") if e.get("kind") == "launch"]
+    assert [e["warm"] for e in launches][:2] == [False, True], launches
+    assert not list((run / "aegis").glob("standby-*")) and leftover_processes(tmp_path) == []
 
     report = summarise(run)
     assert report["outcome"] == "finished" and report["restarts"] == 3 and 0 < report["ettr"] < 1
+    assert report["warm_launches"] == sum(e["warm"] for e in launches) >= 1
     out = subprocess.run([sys.executable, "-m", "zaya", "aegis", "report", str(run)], capture_output=True,
                          text=True)
     assert out.returncode == 0 and "hang" in out.stdout and "ETTR" in out.stdout

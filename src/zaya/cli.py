@@ -40,10 +40,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, _train_overrides(args))
 
     from zaya.aegis import trainer_callbacks
+    from zaya.aegis.standby import STANDBY_ENV, wait_for_go
     from zaya.train.trainer import train
 
+    resume = args.resume
+    if os.environ.get(STANDBY_ENV):  # a warm standby of `zaya run`: imported, now wait for the restart
+        resume = wait_for_go(os.environ[STANDBY_ENV])
     # Under `zaya run` the ranks write heartbeats and apply rewind directives (and chaos faults when asked).
-    summary = train(config, resume=args.resume, callbacks=trainer_callbacks())
+    summary = train(config, resume=resume, callbacks=trainer_callbacks())
     return errors.INTERRUPTED if summary.get("interrupted") else errors.FINISHED
 
 

@@ -419,6 +419,10 @@ class AegisConfig:
     """Spare devices (slots) on this node beyond --nproc-per-node; exclude puts a spare in a bad device's place."""
     min_nproc: int = resumable(1)
     """exclude never shrinks a node below this many ranks (it gives up instead)."""
+    warm_standby: bool = resumable(True)
+    """Once the job trains, start the next attempt's torchrun ahead of time (its ranks import, then wait, touching
+    no device), so that a restart skips the launch and the imports (about 3 s on a CPU node). Single-node jobs only
+    (a multi-node job relaunches cold); costs the host memory of the idle processes (about 0.3 GB per rank)."""
     kernel_log: bool = resumable(True)
     """Watch the kernel log (/dev/kmsg) for Xid/ECC/RAS and link lines where it is readable; skipped otherwise."""
     watch_logs: list[str] = resumable(default_factory=list)

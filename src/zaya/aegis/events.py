@@ -70,6 +70,7 @@ def summarise(run_dir: Path) -> dict[str, Any]:
 
     return {"run_dir": str(run_dir), "decisions": len(decisions), "injections": len(injections),
             "restarts": sum(1 for d in decisions if d["action"] in ("restart", "rewind", "exclude", "backoff")),
+            "warm_launches": sum(1 for e in events if e.get("kind") == "launch" and e.get("warm")),
             "by_detector": {k: {"count": len(v["count"]), "mean_time_to_detect_s": stat(v["detect_s"]),
                                 "mean_time_to_recover_s": stat(v["recover_s"]),
                                 "steps_redone": sum(v["redone"])} for k, v in per_kind.items()},
@@ -85,8 +86,8 @@ def summarise(run_dir: Path) -> dict[str, Any]:
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"{report['run_dir']}: {report['outcome']}"
              + (f" (exit code {report['exit_code']})" if report["exit_code"] is not None else ""),
-             f"  {report['decisions']} decision(s), {report['restarts']} relaunch(es), "
-             f"{report['injections']} injected fault(s)"]
+             f"  {report['decisions']} decision(s), {report['restarts']} relaunch(es) "
+             f"({report['warm_launches']} from the warm standby), {report['injections']} injected fault(s)"]
     if report["ettr"] is not None:
         lines.append(f"  ETTR {report['ettr']:.3f} (productive step time {report['productive_s']:.1f} s of "
                      f"{report['wall_s']:.1f} s wall)")

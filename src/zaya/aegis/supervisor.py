@@ -6,6 +6,8 @@ ranks' process states, free disk) and runs the detectors; the root-cause finding
 decision is carried out and recorded in ``events.jsonl`` with its evidence. A relaunch is a new torchrun (attempt
 N+1); the trainer resumes from the newest good checkpoint, from the RAM tier when the newest disk checkpoint is
 mirrored there. torchrun itself never restarts workers (``--max-restarts 0``): every restart is a decision here.
+On a single node attempt N+1 is started ahead of time once attempt N trains (``aegis.warm_standby``): its ranks
+import and wait, and a restart releases them instead of launching cold (``zaya.aegis.standby``).
 
 Figures kept per decision: time to detect (from the fault's best-known start: the stuck rank's last heartbeat,
 the failed rank's exit, the log line), time to recover (until every rank of the relaunch has trained a step past
@@ -39,6 +41,7 @@ from zaya.aegis.events import EventLog
 from zaya.aegis.heartbeat import clear_heartbeats, read_heartbeats
 from zaya.aegis.policy import Decision, Policy
 from zaya.aegis.sources import GpuCounters, KernelLog, LogTail, disk_free_mb, process_status
+from zaya.aegis.standby import STANDBY_ENV, SUPERVISOR_PID_ENV, write_go
 from zaya.config import Config
 
 _RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
@@ -62,6 +65,19 @@ class Launch:
     """A chaos plan file (or "live": only ``zaya chaos inject`` requests) passed to the ranks as ZAYA_CHAOS."""
 
 
+@dataclass
+class Standby:
+    """The next attempt's torchrun, started ahead of time; its ranks wait for ``go`` (zaya.aegis.standby)."""
+
+    proc: subprocess.Popen
+    reader: threading.Thread
+    lines: "queue.Queue[Line]"
+    attempt: int
+    slots: list[int]
+    go: Path
+    command: list[str]
+
+
 class Supervisor:
     def __init__(self, config: Config, launch: Launch, echo: bool = True):
         self.config, self.cfg, self.launch, self.echo = config, config.aegis, launch, echo
@@ -79,6 +95,7 @@ class Supervisor:
         self.metrics_offset = 0
         self.on_gpu = False
         self.nodes = int(str(launch.nnodes).split(":")[-1])
+        self.standby: Standby | None = None
 
     # --- the loop -------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -127,6 +144,10 @@ class Supervisor:
                 attempt += 1
         finally:
             self._kill()
+            self._discard(self.standby)
+            self.standby = None
+            for go in self.aegis.glob("standby-*.go"):
+                go.unlink(missing_ok=True)
             if kernel:
                 kernel.close()
 
@@ -135,9 +156,36 @@ class Supervisor:
         return 1 + max((e.get("attempt", -1) for e in self.events.events if e.get("kind") == "launch"), default=-1)
 
     def _start(self, attempt: int, resume: str) -> float:
+        """Launch attempt ``attempt``: release the warm standby when it fits (same attempt, same slots, alive),
+        else start torchrun cold. Returns the launch time."""
         clear_heartbeats(self.aegis)
-        cmd = self._command(resume)
-        env = {**os.environ, AEGIS_DIR_ENV: str(self.aegis), ATTEMPT_ENV: str(attempt), "PYTHONUNBUFFERED": "1"}
+        for old in self.aegis.glob("standby-*.go"):  # a released standby's go file has done its work
+            old.unlink(missing_ok=True)
+        standby, self.standby = self.standby, None
+        if standby is not None and not (standby.attempt == attempt and standby.slots == self.slots
+                                        and standby.proc.poll() is None):
+            if standby.proc.poll() is not None:
+                self.events.add(kind="standby", attempt=standby.attempt, outcome="exited before its release",
+                                exit_code=standby.proc.returncode,
+                                last_lines=[line.text for line in self._drain_from(standby.lines)[-5:]])
+            self._discard(standby)
+            standby = None
+        if standby is not None:
+            write_go(standby.go, resume)
+            self.proc, self.reader, self.lines, cmd = standby.proc, standby.reader, standby.lines, standby.command
+        else:
+            cmd = self._command(resume)
+            self.proc, self.reader, self.lines = self._spawn(cmd, attempt, {})
+        self.events.add(kind="launch", attempt=attempt, resume=resume, nproc=len(self.slots), slots=self.slots,
+                        warm=standby is not None, command=cmd)
+        self._say(f"aegis: attempt {attempt}: {len(self.slots)} rank(s) on this node, resume {resume}"
+                  + (" (warm standby)" if standby is not None else ""))
+        return time.time()
+
+    def _spawn(self, cmd: list[str], attempt: int, extra_env: dict[str, str]):
+        """Start a torchrun for ``attempt`` with its output read into attempt-NNN.log and a queue of lines."""
+        env = {**os.environ, AEGIS_DIR_ENV: str(self.aegis), ATTEMPT_ENV: str(attempt), "PYTHONUNBUFFERED": "1",
+               **extra_env}
         if self.launch.chaos:
             env[CHAOS_ENV] = self.launch.chaos
         if self.on_gpu and self.slots != list(range(self.launch.nproc_per_node)):
@@ -145,15 +193,37 @@ class Supervisor:
             physical = visible.split(",") if visible else [str(i) for i in range(256)]
             env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = ",".join(physical[s] for s in self.slots)
         log = open(self.aegis / f"attempt-{attempt:03d}.log", "w", encoding="utf-8")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     start_new_session=True, bufsize=1, errors="replace")
-        self.lines = queue.Queue()
-        self.reader = threading.Thread(target=self._read_output, args=(self.proc, log, self.lines), daemon=True)
-        self.reader.start()
-        self.events.add(kind="launch", attempt=attempt, resume=resume, nproc=len(self.slots), slots=self.slots,
-                        command=cmd)
-        self._say(f"aegis: attempt {attempt}: {len(self.slots)} rank(s) on this node, resume {resume}")
-        return time.time()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True, bufsize=1, errors="replace")
+        lines: "queue.Queue[Line]" = queue.Queue()
+        reader = threading.Thread(target=self._read_output, args=(proc, log, lines), daemon=True)
+        reader.start()
+        return proc, reader, lines
+
+    # --- the warm standby (zaya.aegis.standby) ------------------------------------------------------------
+    def _standby_wanted(self, beats: dict, world: int) -> bool:
+        """Start one when none is waiting, the job is single-node and every rank has trained a step in it (so
+        the standby's imports never compete with the job's own start-up)."""
+        return (self.cfg.warm_standby and self.standby is None and self.nodes == 1 and not self.launch.rdzv_endpoint
+                and len(beats) == world
+                and all((hb.get("step") or 0) > (hb.get("resumed_step") or 0) for hb in beats.values()))
+
+    def _start_standby(self, attempt: int) -> None:
+        go = self.aegis / f"standby-{attempt:03d}.go"
+        go.unlink(missing_ok=True)
+        cmd = self._command("auto")  # the go file carries the real --resume
+        proc, reader, lines = self._spawn(cmd, attempt, {STANDBY_ENV: str(go), SUPERVISOR_PID_ENV: str(os.getpid())})
+        self.standby = Standby(proc, reader, lines, attempt, list(self.slots), go, cmd)
+        self.events.add(kind="standby", attempt=attempt, slots=self.slots)
+
+    def _discard(self, standby: "Standby | None") -> None:
+        """Stop a standby that was never released; its attempt log goes too (that attempt never ran)."""
+        if standby is None:
+            return
+        _kill_tree(standby.proc)
+        standby.reader.join(timeout=10)
+        standby.go.unlink(missing_ok=True)
+        (self.aegis / f"attempt-{standby.attempt:03d}.log").unlink(missing_ok=True)
 
     def _command(self, resume: str) -> list[str]:
         L = self.launch
@@ -199,6 +269,8 @@ class Supervisor:
                                              for hb in beats.values())
             if pending is not None and self._recovered(pending, beats, world, now):
                 pending = None
+            if pending is None and code is None and self._standby_wanted(beats, world):
+                self._start_standby(attempt + 1)
             obs = Observation(now=now, launched_at=launched, world_size=world, heartbeats=beats, lines=seen,
                               new_lines=new, metrics=self._new_metrics(), ended=code is not None,
                               job_exit_code=code,
@@ -236,10 +308,14 @@ class Supervisor:
                 return None
 
     def _drain(self) -> list[Line]:
+        return self._drain_from(self.lines)
+
+    @staticmethod
+    def _drain_from(lines: "queue.Queue[Line]") -> list[Line]:
         out = []
         while True:
             try:
-                out.append(self.lines.get_nowait())
+                out.append(lines.get_nowait())
             except queue.Empty:
                 return out
 
@@ -413,6 +489,24 @@ class Supervisor:
 
     def _say(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it."""
+    try:
+        root = psutil.Process(proc.pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+        pass
 
 
 def productive_seconds(run_dir: Path) -> float:
