@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import psutil
 
@@ -146,8 +146,7 @@ class Supervisor:
             self._kill()
             self._discard(self.standby)
             self.standby = None
-            for go in self.aegis.glob("standby-*.go"):
-                go.unlink(missing_ok=True)
+            self._clear_go_files()
             if kernel:
                 kernel.close()
 
@@ -159,8 +158,7 @@ class Supervisor:
         """Launch attempt ``attempt``: release the warm standby when it fits (same attempt, same slots, alive),
         else start torchrun cold. Returns the launch time."""
         clear_heartbeats(self.aegis)
-        for old in self.aegis.glob("standby-*.go"):  # a released standby's go file has done its work
-            old.unlink(missing_ok=True)
+        self._clear_go_files()  # a released standby's go file has done its work
         standby, self.standby = self.standby, None
         if standby is not None and not (standby.attempt == attempt and standby.slots == self.slots
                                         and standby.proc.poll() is None):
@@ -215,6 +213,10 @@ class Supervisor:
         proc, reader, lines = self._spawn(cmd, attempt, {STANDBY_ENV: str(go), SUPERVISOR_PID_ENV: str(os.getpid())})
         self.standby = Standby(proc, reader, lines, attempt, list(self.slots), go, cmd)
         self.events.add(kind="standby", attempt=attempt, slots=self.slots)
+
+    def _clear_go_files(self) -> None:
+        for go in self.aegis.glob("standby-*.go"):
+            go.unlink(missing_ok=True)
 
     def _discard(self, standby: "Standby | None") -> None:
         """Stop a standby that was never released; its attempt log goes too (that attempt never ran)."""
@@ -455,15 +457,7 @@ class Supervisor:
         """SIGKILL the launcher and every worker (each worker leads its own session: torchrun starts them so)."""
         if self.proc is None:
             return
-        for p in self._workers() + [psutil.Process(self.proc.pid)] if self.proc.poll() is None else self._workers():
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
-            pass
+        _kill_tree(self.proc, also=self._workers())
         if self.reader is not None:
             self.reader.join(timeout=10)
 
@@ -491,13 +485,16 @@ class Supervisor:
         print(text, file=sys.stderr, flush=True)
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a launcher and every process under it."""
-    try:
-        root = psutil.Process(proc.pid)
-        procs = root.children(recursive=True) + [root]
-    except psutil.NoSuchProcess:
-        procs = []
+def _kill_tree(proc: subprocess.Popen, also: Sequence[psutil.Process] = ()) -> None:
+    """SIGKILL a launcher, every process under it and ``also``, then reap the launcher. A launcher that has already
+    exited is not looked up again (its pid may belong to someone else by now)."""
+    procs = list(also)
+    if proc.poll() is None:
+        try:
+            root = psutil.Process(proc.pid)
+            procs += root.children(recursive=True) + [root]
+        except psutil.NoSuchProcess:
+            pass
     for p in procs:
         try:
             p.kill()
