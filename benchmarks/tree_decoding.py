@@ -1,10 +1,12 @@
-"""Tree vs ring decoding over a sharded KV cache: latency per token and communication rounds.
+"""Tree vs ring decoding over a sharded KV cache: latency per token, communication rounds and bytes.
 
 The same sharded cache (``zaya.dist.tree_decoding``: contiguous slices of ``L`` cached positions, new tokens on the
-last rank) decoded by the two merges of the ranks' partial attention results:
+last rank) decoded by each of ``METHODS``:
 
 * ``tree``: per layer one MAX all-reduce of the log-sum-exp and one fused SUM all-reduce of [o * w, w];
-* ``ring``: per layer p - 1 send/recv rounds passing the partial (o, lse) around the ring, then the stable merge.
+* ``butterfly``: per layer one recursive-doubling exchange of the packed (o, lse) (log2 p send/recv rounds);
+* ``ring``: ring attention, the paper's baseline: per layer the KV shards travel p - 1 rounds around the ring;
+* ``ring-partials``: per layer p - 1 send/recv rounds passing the partial (o, lse) around the ring.
 
 Model: a tiny-width, 2-layer CCA model (hidden 64, 8 query heads and 2 KV heads of 64, 2 small experts), so that a
 decode step is mostly the attention over the cache. The caches are filled with random keys and values (no prefill:
@@ -13,9 +15,9 @@ only the decode step is timed) and the CCA state is the same on every rank. Per 
 the slowest rank's; the figure is the median over ``--repeats`` runs, tree and ring alternating run by run. Each
 rank runs with one thread. ``single`` is one process (one thread) decoding the whole cache without communication.
 
-Rounds per token are what the decoder counted: ``collectives`` (calls and ring rounds, one after another) and
+Rounds per token are what the decoder counted: ``collectives`` (calls and send/recv rounds, one after another),
 ``latency_steps`` (an all-reduce or broadcast over p ranks counted as ceil(log2 p) steps, as a tree runs it; gloo
-on one host may use other algorithms).
+on one host may use other algorithms) and ``kib_sent`` (what the last rank handed to the backend).
 
 Run: ``PYTHONPATH=src python benchmarks/tree_decoding.py [--worlds 2 4] [--lengths 8192 16384 32768]
 [--steps 16] [--repeats 5]``. One JSON line per (world, length, method) and one summary line per (world, length)
@@ -41,6 +43,9 @@ import quiet  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from zaya.config import ModelConfig
 from zaya.dist.runtime import Runtime, start
 from zaya.dist.tree_decoding import METHODS, CommStats, ShardedDecoder, ShardedKeys
+
+MERGING = [m for m in METHODS if m != "ring"]
+"""The methods that merge partials (``ring`` moves the keys instead): the merge-only timing."""
 from zaya.model import ZayaForCausalLM
 
 CONFIG = dict(vocab_size=256, hidden_size=64, num_layers=2, num_query_heads=8, num_kv_heads=2, head_dim=64,
@@ -97,8 +102,8 @@ def merge_only(runtime, repeats: int, calls: int = 200) -> list[dict]:
     g = torch.Generator().manual_seed(runtime.rank)
     o = torch.randn(1, CONFIG["num_query_heads"], 1, CONFIG["head_dim"], generator=g)
     lse = torch.randn(1, CONFIG["num_query_heads"], 1, generator=g)
-    shards = {m: ShardedKeys(runtime, 1, False, m, CommStats()) for m in METHODS}
-    times = {m: [] for m in METHODS}
+    shards = {m: ShardedKeys(runtime, [1] * runtime.world_size, m, CommStats()) for m in MERGING}
+    times = {m: [] for m in MERGING}
     for shard in shards.values():
         shard.merge(o, lse)
     for _ in range(repeats):
@@ -137,10 +142,12 @@ def _worker(rank: int, world: int, port: int, lengths: list[int], steps: int, re
                                  ms_per_token=1e3 * statistics.median(times[method]),
                                  ms_runs=[round(1e3 * t, 3) for t in times[method]],
                                  collectives_per_token=s.collectives / s.tokens,
-                                 latency_steps_per_token=s.steps / s.tokens))
+                                 latency_steps_per_token=s.steps / s.tokens,
+                                 kib_sent_per_token=s.bytes_sent / s.tokens / 1024))
             del decoders
         rows += merge_only(runtime, repeats)
-    if rank == 0:
+    # the times are every rank's slowest; the bytes sent this rank's: report the last rank's (the longest shard)
+    if rank == world - 1:
         out.put(rows)
     dist.destroy_process_group()
 
@@ -187,15 +194,17 @@ def main() -> None:
     merges = {(r["world"], r["method"]): r["us_per_layer_merge"] for r in rows if "merge_only" in r}
     for world in args.worlds:
         for length in args.lengths:
-            tree, ring = by[(world, length, "tree")], by[(world, length, "ring")]
+            ms = {m: by[(world, length, m)]["ms_per_token"] for m in METHODS}
             print(json.dumps(dict(summary=True, world=world, cached_tokens=length,
-                                  tree_ms=round(tree["ms_per_token"], 3), ring_ms=round(ring["ms_per_token"], 3),
                                   single_ms=round(by[(1, length, "single")]["ms_per_token"], 3),
-                                  tree_speedup_vs_ring=round(ring["ms_per_token"] / tree["ms_per_token"], 3),
-                                  tree_merge_us=round(merges[(world, "tree")], 1),
-                                  ring_merge_us=round(merges[(world, "ring")], 1),
-                                  tree_collectives=tree["collectives_per_token"],
-                                  ring_collectives=ring["collectives_per_token"])), flush=True)
+                                  ms_per_token={m: round(t, 3) for m, t in ms.items()},
+                                  speedup_vs_ring={m: round(ms["ring"] / t, 3) for m, t in ms.items()},
+                                  speedup_vs_ring_partials={m: round(ms["ring-partials"] / t, 3)
+                                                            for m, t in ms.items()},
+                                  merge_us={m: round(merges[(world, m)], 1) for m in MERGING},
+                                  collectives={m: by[(world, length, m)]["collectives_per_token"] for m in METHODS},
+                                  kib_sent={m: round(by[(world, length, m)]["kib_sent_per_token"], 1)
+                                            for m in METHODS})), flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from dist_helpers import free_port, run_ranks
 from test_model import perturb, tiny_config
 from zaya.cli import main
 from zaya.dist.runtime import Runtime
-from zaya.dist.tree_decoding import ShardedDecoder, local_attention, merge_partial, slice_bounds, tree_generate
+from zaya.dist.tree_decoding import (METHODS, ShardedDecoder, local_attention, merge_pieces, pack, slice_bounds,
+                                    tree_generate)
 from zaya.model import ZayaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,8 @@ def reference_logits(model, ids: torch.Tensor, prompt: int) -> list[torch.Tensor
 
 
 GENERATE = [dict(temperature=0.0), dict(temperature=0.9, top_k=20, seed=7), dict(temperature=1.0, top_p=0.9, seed=1)]
-SHARDED_GENERATE = [("tree", GENERATE[0]), ("tree", GENERATE[1]), ("ring", GENERATE[2])]
+SHARDED_GENERATE = [("tree", GENERATE[0]), ("butterfly", GENERATE[1]), ("ring", GENERATE[2]),
+                    ("ring-partials", GENERATE[0])]
 """What the spawned ranks generate (each case costs seconds there); one process runs every option."""
 
 
@@ -97,14 +99,14 @@ def _decode_worlds(rank: int, processes: int, ports: dict[int, int]) -> dict:
         for overrides, prompt in CASES[world]:
             model = build_model(overrides)
             ids = tokens(prompt + NEW)
-            for method in ("tree", "ring"):
+            for method in METHODS:
                 result["logits"].append(sharded_logits(model, runtime, ids, prompt, method))
         model = build_model({})
         prompt = tokens(CASES[world][0][1])
         for method, options in SHARDED_GENERATE:
             stats = CommStats()
             result["generate"].append(tree_generate(model, runtime, prompt, 6, method=method, stats=stats, **options))
-            result["stats"].append((method, stats.collectives, stats.steps, stats.tokens))
+            result["stats"].append((method, stats.collectives, stats.steps, stats.bytes_sent, stats.tokens))
         # bf16 autocast (the command's default) with the first ranks holding no keys: it runs, ranks agree
         with torch.autocast("cpu", dtype=torch.bfloat16):
             result["bf16"] = tree_generate(model, runtime, tokens(2), 4, temperature=0.0)
@@ -130,7 +132,7 @@ def test_sharded_decoding_matches_one_process(world, sharded_runs):
     for overrides, prompt in CASES[world]:
         model = build_model(overrides)
         ref = reference_logits(model, tokens(prompt + NEW), prompt)
-        expected_logits += [ref, ref]  # tree, ring
+        expected_logits += [ref] * len(METHODS)
     model = build_model({})
     prompt = tokens(CASES[world][0][1])
     expected = [model.generate(prompt, 6, **options) for _, options in SHARDED_GENERATE]
@@ -140,10 +142,12 @@ def test_sharded_decoding_matches_one_process(world, sharded_runs):
                 torch.testing.assert_close(g, e, atol=ATOL, rtol=RTOL)
         for got, want in zip(r["generate"], expected, strict=True):
             assert torch.equal(got, want)
-        # per decoded token: an all-reduce pair a layer (tree) or p - 1 ring rounds, and the token's broadcast
-        for method, collectives, _, fed in r["stats"]:
-            per_layer = 2 if method == "tree" else world - 1
-            assert fed == 5 and collectives == fed * layers * per_layer + 6
+        # per decoded token and layer: an all-reduce pair (tree), log2 p exchanges (+ 2 to fold in and out the
+        # ranks past the largest power of 2: butterfly), p - 1 rounds (rings); and the token's broadcast
+        rounds = {"tree": 2, "butterfly": {2: 1, 3: 3, 4: 2}[world], "ring": world - 1, "ring-partials": world - 1}
+        for method, collectives, _, sent, fed in r["stats"]:
+            assert fed == 5 and collectives == fed * layers * rounds[method] + 6, method
+            assert sent > 0
     # every rank decodes the same bits
     assert results[0]["bf16"].shape == (2, 6)
     for r in results[1:]:
@@ -159,7 +163,7 @@ def test_one_rank_is_plain_decoding():
         model = build_model(overrides)
         ids = tokens(prompt + NEW)
         ref = reference_logits(model, ids, prompt)
-        for method in ("tree", "ring"):
+        for method in METHODS:
             for got, want in zip(sharded_logits(model, runtime, ids, prompt, method), ref, strict=True):
                 torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     model = build_model({})
@@ -176,21 +180,26 @@ def test_slices_put_the_prompt_end_on_the_last_rank():
 
 
 def test_merges_of_partials_equal_attention_over_all_keys():
-    """The tree formula and the ring's stable merge, with an empty partial (o = 0, lse = -finfo.max)."""
+    """The tree formula and the pairwise merge, with an empty partial (o = 0, lse = -finfo.max) in every place."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 1, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g),
                torch.randn(2, 2, 12, 8, generator=g))
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    want_lse = torch.logsumexp(torch.einsum("bhgtd,bhsd->bhgts", q.view(2, 2, 2, 1, 8), k) / 8 ** 0.5, -1)
     parts = [local_attention(q, k[:, :, a:b], v[:, :, a:b]) for a, b in ((0, 0), (0, 5), (5, 12))]
     m = torch.stack([lse for _, lse in parts]).amax(0)
     num = sum(o * torch.exp(lse - m)[..., None] for o, lse in parts)
     den = sum(torch.exp(lse - m)[..., None] for _, lse in parts)
     torch.testing.assert_close(num / den, want, atol=1e-6, rtol=1e-6)
-    out, lse = parts[2]
-    for o_b, lse_b in parts[:2]:
-        out, lse = merge_partial(out, lse, o_b, lse_b)
-    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(lse, local_attention(q, k, v)[1], atol=1e-6, rtol=1e-6)
+    empty, first, second = (pack(*p) for p in parts)
+    for order in ((empty, first, second), (first, empty, second), (first, second, empty), (second, empty, first)):
+        out = order[0]
+        for piece in order[1:]:
+            out = merge_pieces(out, piece)
+        torch.testing.assert_close(out[..., :-1], want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out[..., -1], want_lse.reshape(2, 4, 1), atol=1e-6, rtol=1e-6)
+    both_empty = merge_pieces(empty, empty)
+    assert torch.equal(both_empty[..., :-1], torch.zeros_like(want)) and (both_empty[..., -1] < -1e38).all()
 
 
 def test_errors_name_the_fix():
@@ -238,10 +247,17 @@ def test_cli_tree_parallel_through_torchrun_prints_what_one_process_does(checkpo
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(free_port()), "-m", "zaya", *generate_args(checkpoint,
-                                                                                          "--tree-parallel", "2")],
+                                                                                          "--tree-parallel", "2",
+                                                                                          "--tree-method", "butterfly")],
                          capture_output=True, text=True, env=env, timeout=180, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert run.stdout == want  # rank 0 alone prints
+
+
+def test_cli_offers_every_method():
+    from zaya.cli import TREE_METHODS
+
+    assert TREE_METHODS == METHODS
 
 
 def test_cli_tree_parallel_must_match_the_world_size(checkpoint, capsys):

@@ -18,6 +18,10 @@ from typing import Any, Sequence
 
 from zaya import errors
 
+TREE_METHODS = ("tree", "butterfly", "ring", "ring-partials")
+"""``zaya.dist.tree_decoding.METHODS``, restated so that parsing the command line imports no torch (a test checks
+that the two agree)."""
+
 # Verbs that only read and write files (no training or model step): a ValueError there is about their input.
 _FILE_VERBS = {"info", "export", "convert", "plot", "data", "aegis", "chaos", "plan"}
 
@@ -206,7 +210,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             else:
                 from zaya.dist.tree_decoding import tree_generate
 
-                out = tree_generate(model, runtime, prompt, **options)
+                out = tree_generate(model, runtime, prompt, method=args.tree_method, **options)
     finally:
         if runtime is not None:
             from zaya.dist.runtime import stop
@@ -496,6 +500,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-parallel", type=int, default=None, metavar="N",
                    help="shard the prompt's KV cache over N ranks and decode with tree attention (launch N "
                         "processes with torchrun; N must be the world size; rank 0 prints)")
+    p.add_argument("--tree-method", default="tree", choices=TREE_METHODS,
+                   help="how the ranks' partial attention results meet, with --tree-parallel: tree (two "
+                        "all-reduces a layer; for NCCL), butterfly (log2 N send/recv rounds of one message; "
+                        "faster where the backend's all-reduce is slow, gloo), ring or ring-partials (the "
+                        "baselines; docs/long-context.md)")
     p.set_defaults(func=_cmd_generate)
 
     p = verbs.add_parser("eval", help="perplexity on a prepared dataset, or lm-evaluation-harness tasks")

@@ -1,4 +1,4 @@
-"""Tree-attention decoding: the KV cache of a prompt sharded over the ranks, merged with two all-reduces a layer.
+"""Tree-attention decoding: the KV cache of a prompt sharded over the ranks, the partial results merged per layer.
 
 Decoding one token attends one query to every cached key; for a long prompt that read of the cache dominates a
 step, and one device's memory bounds the prompt. Tree attention (arXiv 2408.04093) spreads the cache instead:
@@ -18,18 +18,31 @@ delayed value) are then broadcast in one tensor, so that every rank computes the
 **A decode step.** Every rank runs the whole model on the new token (the query is "broadcast" by being computed
 identically everywhere). In each attention layer rank r attends the query to its own keys, giving the normalised
 output o_r and the log-sum-exp lse_r of its scores (a rank without keys: o = 0, lse = -finfo(float32).max, finite
-so that no inf - inf appears), and
+so that no inf - inf appears), and the ranks' partials are merged by one of ``METHODS``:
 
-    m   = all_reduce(lse_r, MAX)
-    num, den = all_reduce([o_r * exp(lse_r - m), exp(lse_r - m)], SUM)      (one fused fp32 tensor)
-    out = num / den
+* ``tree`` (the default; the paper's formulation): two all-reduces,
 
-which is exactly softmax attention over the union of the keys. Per layer and token that is 2 collectives whatever
-the number of ranks (a tree or recursive-doubling all-reduce takes ceil(log2 p) latency steps each), against p - 1
-send/recv rounds for the ring baseline (``method="ring"``): the partial (o, lse) travel around the ring and are
-merged with the stable sigmoid/logsigmoid update. The sampled token is broadcast from the last rank once per step
-(ranks need not round bit-identically, on different GPUs or thread counts, and a token that differed between ranks
-would desynchronise the caches silently).
+      m   = all_reduce(lse_r, MAX)
+      num, den = all_reduce([o_r * exp(lse_r - m), exp(lse_r - m)], SUM)      (one fused fp32 tensor)
+      out = num / den
+
+  exactly softmax attention over the union of the keys. 2 collectives a layer whatever p; each takes
+  ceil(log2 p) latency steps when the backend runs small all-reduces as a tree or by recursive doubling (NCCL).
+* ``butterfly``: the same reduction as one recursive-doubling exchange of the packed (o, lse) pairs, merged by
+  ``merge_pieces`` (the lower ranks' block first, so every rank computes the same bits): log2 p send/recv rounds a
+  layer, one message each (a world that is not a power of 2 folds its extra ranks in first and out last: 2 rounds
+  more). For backends whose all-reduce is not latency-optimal for a few hundred bytes (gloo on a CPU host runs one
+  in about 2 (p - 1) rounds).
+* ``ring`` (the baseline the paper measures against): ring attention. The ranks' KV shards travel around the ring
+  (p - 1 rounds, the next shard's send/recv posted before the current one is attended); every rank attends the
+  query to every shard. Its messages grow with the cache: the whole cache passes through every rank each layer.
+* ``ring-partials``: a cheaper ring: the partial (o, lse) travel around it instead of the keys (p - 1 rounds of
+  one small message). Same message sizes as the tree, p - 1 rounds instead of log2 p.
+
+The ring methods merge the partials they collected in rank order with ``merge_pieces``, so that every rank holds
+the same bits. The sampled token is broadcast from the last rank once per step (ranks need not round
+bit-identically, on different GPUs or thread counts, and a token that differed between ranks would desynchronise
+the caches silently).
 
 Every tensor and collective is on the runtime's device (NCCL has no CPU path); a step reads nothing back to the
 host except what sampling and the end-of-document check of ``zaya.model.zaya.decode_tokens`` need.
@@ -48,7 +61,7 @@ from zaya.dist.runtime import Runtime
 from zaya.model.attention import AttentionCache, SequenceSeam
 from zaya.model.zaya import DecodeState, ZayaForCausalLM, check_sampling, decode_tokens
 
-METHODS = ("tree", "ring")
+METHODS = ("tree", "butterfly", "ring", "ring-partials")
 EMPTY_LSE = -torch.finfo(torch.float32).max
 """The log-sum-exp of a rank without keys: finite, so that exp(lse - m) is 0 instead of a NaN from inf - inf."""
 
@@ -67,18 +80,21 @@ class CommStats:
     """Communication of the decode steps on this rank (prefill not counted)."""
 
     collectives: int = 0
-    """Collective calls and ring rounds waited on, one after another."""
+    """Collective calls and send/recv rounds waited on, one after another."""
     steps: int = 0
     """Latency steps: an all-reduce or broadcast over p ranks counts ceil(log2 p) (a tree, as NCCL's tree algorithm
-    and recursive doubling run small messages), a ring send/recv round 1."""
+    and recursive doubling run small messages), a send/recv round 1."""
+    bytes_sent: int = 0
+    """Bytes this rank handed to the backend: a send's tensor, an all-reduce's or broadcast's tensor once."""
     tokens: int = 0
 
     def reset(self) -> None:
-        self.collectives = self.steps = self.tokens = 0
+        self.collectives = self.steps = self.bytes_sent = self.tokens = 0
 
-    def add(self, collectives: int, steps: int) -> None:
+    def add(self, collectives: int, steps: int, sent: int = 0) -> None:
         self.collectives += collectives
         self.steps += steps
+        self.bytes_sent += sent
 
 
 def _check_device(tensor: torch.Tensor, device: torch.device, what: str) -> None:
@@ -123,74 +139,180 @@ def _local_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
     return o.reshape(b, hq, t, d), lse.reshape(b, hq, t)
 
 
-def merge_partial(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor,
-                  lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stable running merge of a partial result (o_b, lse_b) into (out, lse), fp32 (ring-flash-attention):
-    out - sigmoid(lse_b - lse) * (out - o_b) and lse - logsigmoid(lse - lse_b). The running lse must be a real
-    one: from -finfo.max the difference rounds to -finfo.max and the update loses lse_b."""
-    out = out - torch.sigmoid(lse_b - lse)[..., None] * (out - o_b)
-    return out, lse - F.logsigmoid(lse - lse_b)
+def pack(o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """One partial result as one fp32 tensor [.., D + 1] (the lse as the last channel): one message."""
+    return torch.cat((o, lse[..., None]), dim=-1).contiguous()
+
+
+def merge_pieces(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two packed partials (``pack``) merged into the partial over both sets of keys, fp32:
+
+        m = max(lse_a, lse_b),  w = exp(lse - m),  o = (w_a o_a + w_b o_b) / (w_a + w_b),  lse = m + log(w_a + w_b)
+
+    Stable (every weight <= 1, one of them 1) and safe for empty partials (lse = -finfo.max gets weight 0 next to a
+    real one; two empty ones stay empty), in either argument: unlike the running sigmoid/logsigmoid update, whose
+    running lse must be a real one. Not bitwise symmetric: callers merge in one order on every rank."""
+    lse_a, lse_b = a[..., -1:], b[..., -1:]
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = w_a + w_b
+    return torch.cat(((a[..., :-1] * w_a + b[..., :-1] * w_b) / total, m + torch.log(total)), dim=-1)
+
+
+def _merge_in_rank_order(pieces: dict[int, torch.Tensor]) -> torch.Tensor:
+    ranks = sorted(pieces)
+    out = pieces[ranks[0]]
+    for r in ranks[1:]:
+        out = merge_pieces(out, pieces[r])
+    return out
+
+
+def _wait(works) -> None:
+    for work in works or ():
+        work.wait()
 
 
 class ShardedKeys:
     """One rank's part of every layer's KV cache during decoding (the ``KeyShard`` of ``AttentionCache.shard``).
 
-    ``held``: the prompt keys this rank holds (its slice); ``appends``: whether new tokens' keys are stored here (the
-    last rank). ``method``: "tree" (two all-reduces) or "ring" (p - 1 send/recv rounds)."""
+    ``held``: the prompt keys of every rank's slice, in rank order (this rank's is ``held[rank]``); new tokens'
+    keys are stored on the last rank. ``method``: one of ``METHODS`` (see the module docstring)."""
 
-    def __init__(self, runtime: Runtime, held: int, appends: bool, method: str, stats: CommStats):
-        self.runtime, self.held, self.appends, self.method, self.stats = runtime, held, appends, method, stats
+    def __init__(self, runtime: Runtime, held: list[int], method: str, stats: CommStats):
+        if len(held) != runtime.world_size:
+            raise ValueError(f"ShardedKeys: {len(held)} slice lengths for a world of {runtime.world_size}")
+        self.runtime, self.method, self.stats = runtime, method, stats
+        self.held_by_rank = list(held)
+        self.held = held[runtime.rank]
+        self.appends = runtime.rank == runtime.world_size - 1
         self._log_p = math.ceil(math.log2(runtime.world_size)) if runtime.world_size > 1 else 0
 
     def attend(self, q, k, v, cache: AttentionCache, cache_start: int) -> torch.Tensor:
         if q.shape[2] != 1:
             raise ValueError(f"a sharded decode cache takes one token per step, got {q.shape[2]} (prefill goes "
                              "through ShardedDecoder.prefill)")
+        # the model's state counts this rank's slice and every token fed so far: the same count on every rank
+        new_tokens = cache_start - self.held + 1
         end = self.held
         if self.appends:
             end = cache_start + 1
             cache.keys[:, :, cache_start:end] = k.to(cache.keys.dtype)
             cache.values[:, :, cache_start:end] = v.to(cache.values.dtype)
-        o, lse = local_attention(q, cache.keys[:, :, :end], cache.values[:, :, :end])
-        return self.merge(o, lse).to(q.dtype)
+        keys, values = cache.keys[:, :, :end], cache.values[:, :, :end]
+        with torch.autocast(q.device.type, enabled=False):  # the merge stays in fp32 (the collectives' dtype)
+            if self.method == "ring":
+                out = self._ring_attention(q, keys, values, new_tokens)
+            else:
+                out = self.merge(*local_attention(q, keys, values))
+        return out.to(q.dtype)
 
     def merge(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Every rank's attention output from the local (o [B, Hq, T, D], lse [B, Hq, T]), fp32."""
-        with torch.autocast(o.device.type, enabled=False):  # the merge stays in fp32 (the collectives' dtype)
-            return self._tree(o, lse) if self.method == "tree" else self._ring(o, lse)
-
-    def _tree(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Every rank's attention output from the local (o [B, Hq, T, D], lse [B, Hq, T]), fp32 (the merging
+        methods; ``ring`` moves the keys instead and goes through ``attend``)."""
         if not self.runtime.distributed:
             return o
+        with torch.autocast(o.device.type, enabled=False):
+            if self.method == "tree":
+                return self._tree(o, lse)
+            if self.method == "butterfly":
+                return self._butterfly(pack(o, lse))[..., :-1]
+            if self.method == "ring-partials":
+                return self._ring_partials(pack(o, lse))[..., :-1]
+        raise ValueError(f"ShardedKeys.merge: method {self.method!r} does not merge partials (use attend)")
+
+    def _tree(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         m = self.runtime.all_reduce(lse.clone(), "max")
         weight = torch.exp(lse - m)[..., None]
         fused = self.runtime.all_reduce(torch.cat((o * weight, weight), dim=-1), "sum")
-        self.stats.add(2, 2 * self._log_p)
+        self.stats.add(2, 2 * self._log_p, m.nbytes + fused.nbytes)
         return fused[..., :-1] / fused[..., -1:]
 
-    def _ring(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Pass the partials around the ring (p - 1 rounds: send what arrived last to r + 1, receive from r - 1),
-        then merge them in one order on every rank (the last rank's first: it always holds keys), so every rank
-        gets the same bits."""
+    def _exchange(self, piece: torch.Tensor, peer: int) -> torch.Tensor:
+        """Send ``piece`` to ``peer`` and receive its piece of the same shape (one round)."""
+        incoming = torch.empty(piece.shape, dtype=piece.dtype, device=self.runtime.device)
+        _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, piece, peer), dist.P2POp(dist.irecv, incoming, peer)]))
+        return incoming
+
+    def _butterfly(self, piece: torch.Tensor) -> torch.Tensor:
+        """Recursive doubling over the largest power of 2 q <= p ranks: in round k rank r exchanges its block's
+        merged piece with rank r xor 2^k and both merge the lower block's first, so that after log2 q rounds every
+        rank holds the same merge of all. Ranks q..p-1 first hand their piece to rank r - q and get the result
+        back from it at the end."""
+        _check_device(piece, self.runtime.device, "butterfly exchange")
         world, rank = self.runtime.world_size, self.runtime.rank
-        if world == 1:
-            return o
-        piece = torch.cat((o, lse[..., None]), dim=-1).contiguous()
+        q = 1 << (world.bit_length() - 1)
+        rounds = q.bit_length() - 1 + (2 if q < world else 0)
+        sends = 1 if rank >= q else q.bit_length() - 1 + (1 if rank + q < world else 0)
+        self.stats.add(rounds, rounds, sends * piece.nbytes)
+        if rank >= q:
+            dist.send(piece, rank - q)
+            result = torch.empty(piece.shape, dtype=piece.dtype, device=self.runtime.device)
+            dist.recv(result, rank - q)
+            return result
+        if rank + q < world:
+            extra = torch.empty(piece.shape, dtype=piece.dtype, device=self.runtime.device)
+            dist.recv(extra, rank + q)
+            piece = merge_pieces(piece, extra)
+        distance = 1
+        while distance < q:
+            peer = rank ^ distance
+            other = self._exchange(piece, peer)
+            piece = merge_pieces(piece, other) if rank < peer else merge_pieces(other, piece)
+            distance <<= 1
+        if rank + q < world:
+            dist.send(piece, rank + q)
+        return piece
+
+    def _ring_partials(self, piece: torch.Tensor) -> torch.Tensor:
+        """Pass the partials around the ring (p - 1 rounds: send what arrived last to r + 1, receive from r - 1),
+        then merge them in rank order."""
         _check_device(piece, self.runtime.device, "ring exchange")
+        world, rank = self.runtime.world_size, self.runtime.rank
         pieces = {rank: piece}
         for step in range(1, world):
             incoming = torch.empty(piece.shape, dtype=piece.dtype, device=self.runtime.device)
-            works = [dist.isend(pieces[(rank - step + 1) % world], (rank + 1) % world),
-                     dist.irecv(incoming, (rank - 1) % world)]
-            for work in works:
-                work.wait()
+            _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, pieces[(rank - step + 1) % world], (rank + 1) % world),
+                                          dist.P2POp(dist.irecv, incoming, (rank - 1) % world)]))
             pieces[(rank - step) % world] = incoming
-        order = [world - 1, *range(world - 1)]
-        out, total = pieces[order[0]][..., :-1], pieces[order[0]][..., -1]
-        for r in order[1:]:
-            out, total = merge_partial(out, total, pieces[r][..., :-1], pieces[r][..., -1])
-        self.stats.add(world - 1, world - 1)
-        return out
+        self.stats.add(world - 1, world - 1, (world - 1) * piece.nbytes)
+        return _merge_in_rank_order(pieces)
+
+    def _ring_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        new_tokens: int) -> torch.Tensor:
+        """Ring attention: the KV shards travel around the ring (rank r sends the shard it holds to r + 1 and
+        receives the next from r - 1, posted before it attends the current one); the partials are merged in rank
+        order. Shard lengths are known everywhere (the slices, plus ``new_tokens`` on the last rank), so each
+        receive buffer is exact; empty shards are not sent."""
+        world, rank = self.runtime.world_size, self.runtime.rank
+        if world == 1:
+            return local_attention(q, keys, values)[0]
+        _check_device(keys, self.runtime.device, "ring attention")
+        lengths = list(self.held_by_rank)
+        lengths[-1] += new_tokens
+        b, hkv, _, d = keys.shape
+        visiting = (keys.contiguous(), values.contiguous())
+        partials: dict[int, torch.Tensor] = {}
+        sent = 0
+        for step in range(world):
+            owner = (rank - step) % world
+            works, incoming = None, None
+            if step < world - 1:
+                arriving = lengths[(rank - step - 1) % world]
+                incoming = tuple(torch.empty(b, hkv, arriving, d, dtype=keys.dtype, device=keys.device)
+                                 for _ in range(2))
+                ops = []
+                if lengths[owner]:
+                    ops += [dist.P2POp(dist.isend, t, (rank + 1) % world) for t in visiting]
+                    sent += visiting[0].nbytes + visiting[1].nbytes
+                if arriving:
+                    ops += [dist.P2POp(dist.irecv, t, (rank - 1) % world) for t in incoming]
+                works = dist.batch_isend_irecv(ops) if ops else None
+            partials[owner] = pack(*local_attention(q, *visiting))
+            if incoming is not None:
+                _wait(works)
+                visiting = incoming
+        self.stats.add(world - 1, world - 1, sent)
+        return _merge_in_rank_order(partials)[..., :-1]
 
 
 # ---------------------------------------------------------------------------------------------- prefill
@@ -314,12 +436,12 @@ class ShardedDecoder:
         if prompt_length < 1:
             raise ValueError("tree decoding needs a prompt of at least one token")
         runtime, model = self.runtime, self.model
-        start, end = slice_bounds(prompt_length, runtime.world_size, runtime.rank)
-        held = end - start
-        appends = runtime.rank == self.last
+        held_by_rank = [end - start for start, end in (slice_bounds(prompt_length, runtime.world_size, r)
+                                                       for r in range(runtime.world_size))]
+        held = held_by_rank[runtime.rank]
         dtype = dtype or model.embed.weight.dtype
-        capacity = held + (max_new_tokens if appends else 0)
-        shard = ShardedKeys(runtime, held, appends, self.method, self.stats)
+        capacity = held + (max_new_tokens if runtime.rank == self.last else 0)
+        shard = ShardedKeys(runtime, held_by_rank, self.method, self.stats)
         caches = [blk.attention.new_cache(batch, capacity, dtype, runtime.device) for blk in model.blocks]
         for cache in caches:
             cache.shard = shard
@@ -395,8 +517,9 @@ class ShardedDecoder:
         """The last rank's sampled token, on every rank (one broadcast a token)."""
         if not self.runtime.distributed:
             return token
-        self.stats.add(1, math.ceil(math.log2(self.runtime.world_size)))
-        return self.runtime.broadcast(token.contiguous(), src=self.last)
+        token = token.contiguous()
+        self.stats.add(1, math.ceil(math.log2(self.runtime.world_size)), token.nbytes)
+        return self.runtime.broadcast(token, src=self.last)
 
 
 @torch.no_grad()
