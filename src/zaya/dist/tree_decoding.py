@@ -175,15 +175,15 @@ def _wait(works) -> None:
 class ShardedKeys:
     """One rank's part of every layer's KV cache during decoding (the ``KeyShard`` of ``AttentionCache.shard``).
 
-    ``held``: the prompt keys of every rank's slice, in rank order (this rank's is ``held[rank]``); new tokens'
+    ``held_by_rank``: the prompt keys of every rank's slice, in rank order (this rank's is ``held``); new tokens'
     keys are stored on the last rank. ``method``: one of ``METHODS`` (see the module docstring)."""
 
-    def __init__(self, runtime: Runtime, held: list[int], method: str, stats: CommStats):
-        if len(held) != runtime.world_size:
-            raise ValueError(f"ShardedKeys: {len(held)} slice lengths for a world of {runtime.world_size}")
+    def __init__(self, runtime: Runtime, held_by_rank: list[int], method: str, stats: CommStats):
+        if len(held_by_rank) != runtime.world_size:
+            raise ValueError(f"ShardedKeys: {len(held_by_rank)} slice lengths for a world of {runtime.world_size}")
         self.runtime, self.method, self.stats = runtime, method, stats
-        self.held_by_rank = list(held)
-        self.held = held[runtime.rank]
+        self.held_by_rank = list(held_by_rank)
+        self.held = self.held_by_rank[runtime.rank]
         self.appends = runtime.rank == runtime.world_size - 1
         self._log_p = math.ceil(math.log2(runtime.world_size)) if runtime.world_size > 1 else 0
 
