@@ -46,12 +46,66 @@ def build_models(max_seq_len: int):
     return model, hf
 
 
+def record_decode_routing(model) -> tuple[list, list]:
+    """Hooks on every router that collect, per decode step, each layer's chosen experts (a decode step's router
+    input is [rows, D]; a prefill's is [B, T, D]). Returns (the list that fills, the hook handles)."""
+    seen: list[list[int]] = []
+
+    def hook(module, args, routing):
+        if args[0].dim() == 2:
+            seen.append(routing.experts.reshape(-1).tolist())
+
+    handles = [block.moe.router.register_forward_hook(hook) for block in model.blocks]
+    return seen, handles
+
+
+def decode_gemm_floor(model, batch: int, routing: list[list[int]]) -> float:
+    """Seconds for the weight GEMMs alone of the decode steps of one ``generate`` (``routing``: what it chose,
+    from ``record_decode_routing``): per step and layer the packed q/k/v projection, the output projection, the
+    router's four linears and one gate-up / down pair per expert that got a row, then the head, on the shapes the
+    step uses; nothing else (no attention, no norms, no glue). The least time any decoder that runs these fp32
+    GEMMs can take here, with warm caches (the same few weights again and again)."""
+    import torch.nn.functional as F
+
+    from zaya.model.slots import SlotDecoder
+
+    packed = SlotDecoder(model, 1, 1).layers
+    layers = len(model.blocks)
+    x = torch.randn(batch, model.config.hidden_size)
+    n_experts = model.config.num_experts
+    t = time.perf_counter()
+    for s in range(0, len(routing), layers):
+        for block, weights, chosen in zip(model.blocks, packed, routing[s:s + layers]):
+            F.linear(x, weights.w)
+            F.linear(x[:, :weights.o.shape[1]], weights.o)
+            router = block.moe.router
+            if hasattr(router, "fc1"):
+                z = F.linear(x, router.down_proj.weight, router.down_proj.bias)
+                z = F.linear(F.linear(z, router.fc1.weight, router.fc1.bias), router.fc2.weight, router.fc2.bias)
+                F.linear(z, router.out_proj.weight)
+            else:
+                F.linear(x, router.proj.weight)
+            experts = block.moe.experts
+            for e in sorted({c for c in chosen if c < n_experts}):
+                rows = x[:chosen.count(e)]
+                up = F.linear(rows, experts.gate_up_proj[e])
+                F.linear(up[:, :experts.down_proj.shape[-1]], experts.down_proj[e])
+        F.linear(x, model.head_weight())
+    return time.perf_counter() - t
+
+
 def bench_generate(batch: int, prompt: int, new: int, repeats: int) -> dict:
+    """``model.generate`` against transformers' ``generate``, interleaved, best of ``repeats``; with the parts a
+    decoder cannot avoid, measured in the same run: the prompt's prefill (one forward, ours and transformers') and
+    the decode steps' weight GEMMs alone (``decode_gemm_floor``). ``floor_speedup`` is transformers' time over
+    their sum: the most any implementation of these fp32 GEMMs could gain over transformers on this machine."""
     model, hf = build_models(prompt + new + 64)
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
     runs = {"zaya": lambda: model.generate(ids, new, temperature=0),
             "hf": lambda: hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)}
+                                      eos_token_id=None, pad_token_id=0),
+            "prefill": lambda: model(ids, logits_to_keep=1),
+            "hf_prefill": lambda: hf(ids, logits_to_keep=1)}
     times = {k: [] for k in runs}
     outs = {}
     with torch.no_grad():
@@ -64,9 +118,17 @@ def bench_generate(batch: int, prompt: int, new: int, repeats: int) -> dict:
                 times[name].append(time.perf_counter() - t)
         seq = outs["zaya"]
         argmax = model(seq[:, :-1]).logits[:, prompt - 1:].argmax(-1)
+        routing, handles = record_decode_routing(model)
+        model.generate(ids, new, temperature=0)
+        for h in handles:
+            h.remove()
+        floor = min(decode_gemm_floor(model, batch, routing) for _ in range(max(repeats, 2)))
     zaya_s, hf_s = min(times["zaya"]), min(times["hf"])
+    prefill_s = min(times["prefill"])
     return {"batch": batch, "prompt": prompt, "new_tokens": new, "zaya_s": zaya_s, "hf_s": hf_s,
             "zaya_tok_s": batch * new / zaya_s, "hf_tok_s": batch * new / hf_s, "speedup": hf_s / zaya_s,
+            "prefill_s": prefill_s, "hf_prefill_s": min(times["hf_prefill"]), "decode_gemm_floor_s": floor,
+            "decode_steps": len(routing) // len(model.blocks), "floor_speedup": hf_s / (prefill_s + floor),
             "zaya_equals_forward_argmax": bool(torch.equal(seq[:, prompt:], argmax)),
             "zaya_equals_hf": bool(torch.equal(seq, outs["hf"])), "repeats": repeats}
 

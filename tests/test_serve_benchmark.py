@@ -1,0 +1,30 @@
+"""`benchmarks/serve.py --quick --skip-load`: generate against transformers' on the same weights, outputs checked,
+and the floor figures (prefill and the decode steps' weight GEMMs alone) reported (its timings mean nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_serve_benchmark_reports_speed_and_floor():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/serve.py"), "--quick", "--skip-load"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    runs = [r for r in rows if "batch" in r]
+    assert [r["batch"] for r in runs] == [1, 8]
+    for r in runs:
+        assert r["zaya_equals_forward_argmax"] and r["zaya_equals_hf"], r
+        # generate's first token comes from the prefill; every later one from a decode step the hooks saw
+        assert r["decode_steps"] == r["new_tokens"] - 1, r
+        assert r["prefill_s"] > 0 and r["hf_prefill_s"] > 0 and r["decode_gemm_floor_s"] > 0, r
+        # the floor leaves out everything but the prefill and the GEMMs: generate itself takes longer
+        assert r["zaya_s"] > r["prefill_s"] + r["decode_gemm_floor_s"], r
+        assert abs(r["floor_speedup"] - r["hf_s"] / (r["prefill_s"] + r["decode_gemm_floor_s"])) < 1e-9, r
