@@ -518,10 +518,11 @@ class ContextParallelSequence(SequenceSeam):
         reach = history.shape[-1] // 2
         chunks = self._halves(packed, 2)
         histories = history.split(reach, dim=-1)
-        # Both chunks in one convolution call: stacked along the batch.
-        stacked = torch.cat([torch.cat((h, c), dim=-1) for h, c in zip(histories, chunks)], dim=0)
-        first, second = conv(stacked).chunk(2, dim=0)
-        return torch.cat((first, second), dim=-1)
+        # Both chunks in one convolution call: stacked along the batch, joined in token-major memory as in
+        # SequenceSeam.convolve (the convolutions run channels-last).
+        stacked = torch.cat([torch.cat((h.mT, c.mT), dim=1) for h, c in zip(histories, chunks)], dim=0)
+        first, second = conv(stacked.mT).chunk(2, dim=0)
+        return torch.cat((first.mT, second.mT), dim=1).mT
 
     def shift_values(self, delayed, first):
         return torch.cat([torch.cat((first[:, i:i + 1], part[:, :-1]), dim=1)
