@@ -177,6 +177,18 @@ def fsdp_reference():
 
 @pytest.fixture(scope="module")
 def single_process():
+    """The references, computed with one intra-op thread as each rank runs: fp32 GEMM results depend on the thread
+    count on some CPUs (measured on an AMX Xeon: the 130x600 Gram-path matrix moves by 1.5e-7 between 1 and 2
+    threads), and the DDP comparisons below are bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _single_process()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _single_process():
     ddp, ddp_counts, ddp_reads, _ = ddp_train()
     assert ddp_counts == [DDP_MATRICES] * 2 and ddp_reads == [1, 1]
     fsdp, fallbacks = fsdp_reference()
