@@ -63,3 +63,19 @@ def test_aligned_step_without_a_mask_equals_the_forward(overrides):
         for p in range(9, 12):
             logits = decoder.step(ids[:, p], torch.full((3,), p), keys=p + 1, aligned=True)
             assert (logits - full[:, p]).abs().max() < 1e-5, p
+
+
+def test_single_query_attention_equals_sdpa():
+    """The step's attention (two matmuls) against SDPA with GQA, with per-row masks of different lengths."""
+    import torch.nn.functional as F
+
+    from zaya.model.slots import _single_query_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=g) for s in ((3, 4, 16), (3, 2, 9, 16), (3, 2, 9, 16)))
+    allowed = torch.arange(9)[None, :] <= torch.tensor([8, 2, 0])[:, None]
+    bias = torch.zeros(3, 9).masked_fill_(~allowed, float("-inf"))[:, None, None]
+    for b, m in ((bias, allowed[:, None, None]), (None, None)):
+        want = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=m, enable_gqa=True).reshape(3, 64)
+        torch.testing.assert_close(_single_query_attention(q, k, v, b), want, rtol=0, atol=1e-6)  # fp32 rounding
+
