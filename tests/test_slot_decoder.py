@@ -78,4 +78,15 @@ def test_single_query_attention_equals_sdpa():
     for b, m in ((bias, allowed[:, None, None]), (None, None)):
         want = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=m, enable_gqa=True).reshape(3, 64)
         torch.testing.assert_close(_single_query_attention(q, k, v, b), want, rtol=0, atol=1e-6)  # fp32 rounding
+    # bf16 (the softmax runs in fp32): within SDPA's own bf16 error of the fp32 result, plus one bf16 rounding
+    # (2^-8 relative) of outputs under ~2 in size
+    want = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=allowed[:, None, None], enable_gqa=True)
+    q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    sdpa16 = F.scaled_dot_product_attention(q16[:, :, None], k16, v16, attn_mask=allowed[:, None, None],
+                                            enable_gqa=True).float().reshape(3, 64)
+    ours16 = _single_query_attention(q16, k16, v16, bias)
+    assert ours16.dtype == torch.bfloat16
+    ours16 = ours16.float()
+    sdpa_err = (sdpa16 - want.reshape(3, 64)).abs().max()
+    assert (ours16 - want.reshape(3, 64)).abs().max() <= sdpa_err + 2 * 2**-8
 
