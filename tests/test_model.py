@@ -356,6 +356,21 @@ def test_gradient_reaches_every_parameter(overrides):
     assert not missing
 
 
+def test_raw_gradients_have_their_parameters_strides():
+    """The gradients autograd hands to each parameter (before AccumulateGrad re-lays them out) keep the parameter's
+    strides. DDP's reducer and FSDP take those raw gradients: one laid out otherwise (the CCA convolutions run
+    channels-last) makes DDP warn "Grad strides do not match bucket view strides" and copy it on every step."""
+    torch.manual_seed(0)
+    model = ZayaForCausalLM(tiny_config(cca_grouped_kernel=3))
+    perturb(model)
+    ids = torch.randint(0, 97, (2, 20))
+    names, params = zip(*model.named_parameters())
+    grads = torch.autograd.grad(model(ids, labels=ids.roll(-1, 1)).loss, params, allow_unused=True)
+    wrong = [(n, tuple(g.stride()), tuple(p.stride())) for n, p, g in zip(names, params, grads)
+             if g is not None and g.stride() != p.stride()]
+    assert not wrong
+
+
 @pytest.mark.parametrize("overrides", MODEL_VARIANTS)
 def test_decode_equals_full_forward(overrides):
     torch.manual_seed(0)

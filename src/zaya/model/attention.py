@@ -38,6 +38,27 @@ from zaya.config import ModelConfig
 from zaya.model.layers import apply_rotary
 
 
+class _GradientInWeightStrides(torch.autograd.Function):
+    """Identity whose backward lays the gradient out with the weight's own strides.
+
+    A channels-last convolution hands its weight a channels-last gradient; after the height-1 ``unsqueeze`` that
+    is a gradient laid out unlike the 3-D weight (even a size-1 dimension's stride differs). AccumulateGrad would
+    re-lay it out, but DDP's reducer reads the raw gradient, compares strides exactly, warns "Grad strides do not
+    match bucket view strides" and copies it every step. Copying the small [C, C/g, K] weight gradient here, only
+    when its strides differ, is the copy the reducer would otherwise make."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        ctx.stride = weight.stride()
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if grad.stride() == ctx.stride:
+            return grad
+        return torch.empty_strided(grad.shape, ctx.stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
 @dataclass
 class AttentionCache:
     """Decode state of one attention layer. KV buffers are preallocated to ``capacity`` positions."""
@@ -241,7 +262,7 @@ class Attention(nn.Module):
         at ZAYA1's width, 4k tokens, CPU bf16; bit-identical results)."""
         x = packed.unsqueeze(2).contiguous(memory_format=torch.channels_last)  # [B, C, 1, T]; no copy if token-major
         for conv in (self.conv_depthwise, self.conv_grouped):
-            x = F.conv2d(x, conv.weight.unsqueeze(2), conv.bias, groups=conv.groups)
+            x = F.conv2d(x, _GradientInWeightStrides.apply(conv.weight).unsqueeze(2), conv.bias, groups=conv.groups)
         return x.squeeze(2)
 
     def _plain_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
