@@ -72,3 +72,18 @@ def test_dump_and_load_round_trip(tmp_path):
     cfg.model.router_balance_betas = (0.8, 0.99)
     again = load_config(dump_config(cfg, tmp_path / "run" / "config.toml"))
     assert again == cfg
+
+
+@pytest.mark.parametrize("text,what,nearest", [
+    ("[train]\nseq_len = 30\ncontext_parallel = 2", "train.seq_len = 30", 28),  # 28 and 32 are as near: the shorter
+    ("[train]\nseq_len = 129\ncontext_parallel = 2", "train.seq_len = 129", 128),
+    ("[train]\nseq_len = 20\ncontext_parallel = 8", "train.seq_len = 20", 32),  # below 2 tokens a chunk: 4 x cp
+    ('[train]\nseq_len = 64\n[[stages]]\nname = "long"\nseq_len = 100\ncontext_parallel = 3',
+     "stage 'long': seq_len = 100", 102),
+])
+def test_a_seq_len_context_parallelism_cannot_split_is_refused_with_one_that_can(tmp_path, text, what, nearest):
+    with pytest.raises(ConfigError, match=rf"{what} cannot be split over context_parallel.*use e\.g\. {nearest}\b"):
+        load_config(write(tmp_path, text))
+    fixed = text.replace(what.split(" = ")[1], str(nearest)) if "stage" in what else \
+        text.replace(what.split(" = ")[1] + "\n", f"{nearest}\n")
+    load_config(write(tmp_path, fixed))

@@ -140,6 +140,21 @@ def test_seq_lens_that_cp_cannot_split_are_config_errors(shakespeare_dataset, tm
         micro(shakespeare_dataset, tmp_path, data={"document_mask": True})
 
 
+def test_a_cp_size_the_processes_cannot_hold_is_a_config_error_naming_the_fix(tmp_path, shakespeare_dataset, capsys):
+    from zaya.cli import main
+    from zaya.errors import CONFIG_ERROR
+
+    config = tmp_path / "micro.toml"
+    config.write_text(MICRO_CONFIG.format(dataset=shakespeare_dataset, run_dir=tmp_path / "run"))
+    assert main(["train", "--config", str(config), "--set", "train.context_parallel=2"]) == CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "train.context_parallel = 2" in err and "--nproc-per-node 2" in err and "Traceback" not in err
+    for r in run_ranks(_train, 3, str(shakespeare_dataset), str(tmp_path / "three"),
+                       {"train": {"context_parallel": 2}}):
+        assert r.exit_code == CONFIG_ERROR, r.error
+        assert "does not divide the world size 3" in r.error and "[1, 3]" in r.error, r.error
+
+
 def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     from zaya.config import ModelConfig
     from zaya.model import ZayaForCausalLM

@@ -585,10 +585,23 @@ class Config:
         return own or self.train.context_parallel
 
     def _check_context_parallel(self, seq_len: int, what: str, cp: int) -> None:
-        if cp > 1 and (seq_len % (2 * cp) or seq_len // (2 * cp) < 2):
-            raise ConfigError(f"{what} = {seq_len} cannot be split over context_parallel = {cp} ranks: the "
-                              f"zigzag layout needs a multiple of 2 x {cp} = {2 * cp} with at least 2 tokens per "
-                              f"chunk; change the seq_len or the context_parallel size")
+        problem = zigzag_length_problem(seq_len, cp)
+        if problem:
+            raise ConfigError(f"{what} = {seq_len} {problem}, or change the context_parallel size")
+
+
+def zigzag_length_problem(seq_len: int, cp: int) -> str:
+    """Why ``seq_len`` tokens cannot be laid out zigzag over ``cp`` context-parallel ranks, with the nearest length
+    that can; "" when they can. The layout cuts a sequence into 2 x cp chunks, each at least 2 tokens long (CCA's
+    convolution reach across a chunk boundary)."""
+    chunks = 2 * cp
+    if cp <= 1 or (seq_len % chunks == 0 and seq_len // chunks >= 2):
+        return ""
+    shortest = 2 * chunks
+    below = seq_len // chunks * chunks
+    nearest = max(shortest, below if seq_len - below <= below + chunks - seq_len else below + chunks)
+    return (f"cannot be split over context_parallel = {cp} ranks: the zigzag layout needs a multiple of 2 x {cp} = "
+            f"{chunks} with at least 2 tokens per chunk (at least {shortest}); use e.g. {nearest}")
 
 
 def _nearest(key: str, valid: list[str]) -> str:

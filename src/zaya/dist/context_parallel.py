@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zaya.config import zigzag_length_problem
 from zaya.device import backward_without_autocast
 from zaya.model.attention import SequenceSeam, document_mask
 
@@ -68,14 +69,9 @@ def check_sequence_length(seq_len: int, cp_size: int, what: str = "train.seq_len
     """Raise ValueError unless ``seq_len`` splits into 2 * cp_size chunks of at least 2 tokens each."""
     if cp_size < 1:
         raise ValueError(f"context parallel size must be >= 1, got {cp_size}")
-    if cp_size == 1:
-        return
-    chunks = 2 * cp_size
-    if seq_len % chunks or seq_len // chunks < 2:
-        fit = max(chunks * 2, (seq_len // chunks) * chunks)
-        raise ValueError(f"{what} = {seq_len} cannot be split for context parallelism over {cp_size} ranks: the "
-                         f"zigzag layout needs a multiple of 2 x {cp_size} = {chunks} with at least 2 tokens per "
-                         f"chunk (CCA's convolution reach); use e.g. {fit}")
+    problem = zigzag_length_problem(seq_len, cp_size)
+    if problem:
+        raise ValueError(f"{what} = {seq_len} {problem}")
 
 
 def zigzag_index(seq_len: int, cp_size: int, cp_rank: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from zaya.device import resolve_device
-from zaya.errors import CollectiveError
+from zaya.errors import CollectiveError, ConfigError
 
 STRICT_ENV = "ZAYA_STRICT_DEVICES"
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -277,7 +277,9 @@ def start(timeout_s: float = 1800.0, startup_timeout_s: float = 300.0, device: s
     strict = os.environ.get(STRICT_ENV, "") not in ("", "0")
     if not dist.is_initialized() and (not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1):
         if cp_size != 1:
-            raise ValueError(f"context parallel size {cp_size} needs {cp_size} ranks (torchrun)")
+            raise ConfigError(f"train.context_parallel = {cp_size} needs a multiple of {cp_size} processes and this "
+                              f"is one: launch with torchrun --nproc-per-node {cp_size} (or a multiple of it), or "
+                              f"pass --set train.context_parallel=1")
         return Runtime(device=dev, strict=strict, timeout_s=timeout_s)
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -290,7 +292,10 @@ def start(timeout_s: float = 1800.0, startup_timeout_s: float = 300.0, device: s
         _set_timeout(timeout_s)
     world = dist.get_world_size()
     if world % cp_size:
-        raise ValueError(f"world size {world} is not a multiple of the context parallel size {cp_size}")
+        fits = [n for n in range(1, world + 1) if world % n == 0]
+        raise ConfigError(f"train.context_parallel = {cp_size} does not divide the world size {world}: launch a "
+                          f"multiple of {cp_size} processes (torchrun --nproc-per-node), or pass "
+                          f"--set train.context_parallel=N with N one of {fits}")
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dev.type, (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
