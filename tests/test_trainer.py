@@ -75,6 +75,32 @@ def test_an_error_reaches_the_callbacks_and_is_raised(tmp_path, micro_config, mo
     assert rec.events == [("start", 0), ("error", "RuntimeError")]
 
 
+def test_a_signal_during_a_steps_collectives_stops_the_run_after_the_next_step(tmp_path, micro_config, monkeypatch):
+    """The step reads the stop flag before its clip, all-reduce and host read; a SIGTERM that lands in between
+    must not be overwritten by that step's (flag-less) result, and is carried into the next step's all-reduce."""
+    import signal
+
+    import zaya.train.trainer as trainer_module
+
+    trainer = build(micro_config(), "train.max_steps=6", "train.eval_every=0", "checkpoint.every=0")
+    original, calls = trainer_module._clip, []
+
+    def clip_then_signal(params, max_norm):
+        calls.append(1)
+        norm = original(params, max_norm)
+        if len(calls) == 2:  # step 2, after it read the flag, before its all-reduce
+            trainer.stop_request._handle(signal.SIGTERM, None)
+        return norm
+
+    monkeypatch.setattr(trainer_module, "_clip", clip_then_signal)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert summary["interrupted"] and not summary["finished"] and summary["step"] == 3, summary
+    assert trainer.newest_checkpoint().name.endswith("3")
+
+
 def test_a_step_reads_the_host_once_whatever_its_accumulation(tmp_path, micro_config):
     from zaya.dist.checks import HostReads
     from zaya.train.trainer import HOST_READS_PER_STEP

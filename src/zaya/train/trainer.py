@@ -54,10 +54,16 @@ tests/test_cluster.py hold the trainer to it."""
 
 
 class _StopRequest:
-    """SIGTERM/SIGINT: finish the step, checkpoint, stop (exit code 75). A second SIGINT interrupts at once."""
+    """SIGTERM/SIGINT: finish the step, checkpoint, stop (exit code 75). A second SIGINT interrupts at once.
+
+    ``requested`` is this process's own signal and stays set once it came; ``agreed`` is the ranks' decision,
+    taken from the step's all-reduce of everyone's ``requested``, so that all ranks stop after the same step. A
+    signal arriving after the step has read its flags (during the clip, the all-reduce or the host read) is
+    carried into the next step's all-reduce instead of being overwritten by this one's result."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.agreed = False
         self.signal_name = ""
         self._previous: dict[int, Any] = {}
 
@@ -232,7 +238,7 @@ class Trainer:
                                           f"{self.newest_checkpoint() or 'none'}")
                 if tc.eval_every and p.step % tc.eval_every == 0 and p.step < tc.max_steps:
                     val_loss = self.evaluate()
-                if self.stop_request.requested:
+                if self.stop_request.agreed:
                     self.save(f"stop requested ({self.stop_request.signal_name or 'signal on another rank'})")
                     last_saved, interrupted = p.step, True
                     self.say(f"stopped at step {p.step} on request; resume with the same command")
@@ -338,7 +344,7 @@ class Trainer:
                   for r in range(self._count_shape[0])]
         # Every rank routed the same probe, so the reduction summed world_size equal values.
         probe = [v / rt.world_size for v in values[self._counts_end:-1]]
-        self.stop_request.requested = values[2] > 0
+        self.stop_request.agreed = values[2] > 0
         self._checkpoint_failed = values[3] > 0
         consumed = sum(b.global_tokens for b in batches)
         p.tokens += consumed
