@@ -722,3 +722,26 @@ def test_malformed_commit_markers_are_incomplete_not_errors(tmp_path):
     for body in ('{"files": ["a", "b"]}', '{"files": {"meta.json": true}}', '[]'):
         (path / COMMIT).write_text(body)
         assert list_checkpoints(store.directory) == [] and store.select("auto") is None
+
+
+def test_ranks_clearing_their_ram_copies_at_once_do_not_trip_over_the_shared_directory(tmp_path, monkeypatch):
+    """At the end of a run every rank of a node clears its copy at the same moment, and the last to find the tier's
+    directory empty removes it: possibly while another rank is still listing it for stale pending files."""
+    from zaya.checkpoint.ram_tier import RamTier
+
+    directory = tmp_path / "tier"
+    first, second = (RamTier(directory, tmp_path / "run", rank, 2, "ddp") for rank in range(2))
+    directory.mkdir()
+    second.data_path.write_bytes(b"copy")
+    second.info_path.write_text("{}")
+    listing, removed = os.scandir, []
+
+    def scandir_after_the_other_rank_finished(path="."):
+        if Path(path) == directory and not removed:  # the first rank clears (and removes the emptied directory)
+            removed.append(True)
+            first.clear()
+        return listing(path)
+
+    monkeypatch.setattr(os, "scandir", scandir_after_the_other_rank_finished)
+    second.clear()
+    assert removed and not directory.exists()

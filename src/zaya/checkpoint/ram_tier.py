@@ -127,8 +127,11 @@ class RamTier:
         """Remove this rank's copy (and the run's directory once it is empty)."""
         for path in (self.info_path, self.data_path):
             path.unlink(missing_ok=True)
-        for stale in self.directory.glob(f".rank-{self.rank:05d}.*.pending") if self.directory.is_dir() else []:
-            stale.unlink(missing_ok=True)
+        try:
+            for stale in self.directory.glob(f".rank-{self.rank:05d}.*.pending"):
+                stale.unlink(missing_ok=True)
+        except FileNotFoundError:  # no directory, or another rank of this node emptied and removed it meanwhile
+            pass
         for empty in (self.directory, self.directory.parent):
             if empty == self.directory.parent and str(empty) != DEFAULT_DIR:
                 break  # a directory the user chose is theirs to keep
