@@ -9,6 +9,7 @@ instead of causal attention in the prefill), which at these sizes moves logits b
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -145,9 +146,13 @@ def test_sharded_decoding_matches_one_process(world, sharded_runs):
         # per decoded token and layer: an all-reduce pair (tree), log2 p exchanges (+ 2 to fold in and out the
         # ranks past the largest power of 2: butterfly), p - 1 rounds (rings); and the token's broadcast
         rounds = {"tree": 2, "butterfly": {2: 1, 3: 3, 4: 2}[world], "ring": world - 1, "ring-partials": world - 1}
-        for method, collectives, _, sent, fed in r["stats"]:
+        for method, collectives, steps, sent, fed in r["stats"]:
             assert fed == 5 and collectives == fed * layers * rounds[method] + 6, method
             assert sent > 0
+            if method == "tree":  # gloo: beyond 2 ranks each all-reduce goes by recursive doubling (its rounds)
+                per_all_reduce = {2: 1, 3: 3, 4: 2}[world]
+                broadcasts = 6 * math.ceil(math.log2(world))
+                assert steps == fed * layers * 2 * per_all_reduce + broadcasts, (world, steps)
     # every rank decodes the same bits
     assert results[0]["bf16"].shape == (2, 6)
     for r in results[1:]:

@@ -502,8 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "processes with torchrun; N must be the world size; rank 0 prints)")
     p.add_argument("--tree-method", default="tree", choices=TREE_METHODS,
                    help="how the ranks' partial attention results meet, with --tree-parallel: tree (two "
-                        "all-reduces a layer; for NCCL), butterfly (log2 N send/recv rounds of one message; "
-                        "faster where the backend's all-reduce is slow, gloo), ring or ring-partials (the "
+                        "all-reduces a layer, the default), butterfly (log2 N send/recv rounds of one message: "
+                        "half the tree's rounds, fastest on gloo), ring or ring-partials (the "
                         "baselines; docs/long-context.md)")
     p.set_defaults(func=_cmd_generate)
 

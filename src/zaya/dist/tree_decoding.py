@@ -26,13 +26,14 @@ so that no inf - inf appears), and the ranks' partials are merged by one of ``ME
       num, den = all_reduce([o_r * exp(lse_r - m), exp(lse_r - m)], SUM)      (one fused fp32 tensor)
       out = num / den
 
-  exactly softmax attention over the union of the keys. 2 collectives a layer whatever p; each takes
-  ceil(log2 p) latency steps when the backend runs small all-reduces as a tree or by recursive doubling (NCCL).
+  exactly softmax attention over the union of the keys. 2 collectives a layer whatever p, each of ceil(log2 p)
+  latency steps: NCCL runs small all-reduces that way itself; gloo runs one as a ring of 2 (p - 1) rounds, so on
+  gloo beyond 2 ranks the two go by recursive doubling (``_recursive_doubling``, the exchange ``butterfly`` uses, combining with
+  max and +, which round the same whichever operand comes first: every rank gets the same bits).
 * ``butterfly``: the same reduction as one recursive-doubling exchange of the packed (o, lse) pairs, merged by
   ``merge_pieces`` (the lower ranks' block first, so every rank computes the same bits): log2 p send/recv rounds a
   layer, one message each (a world that is not a power of 2 folds its extra ranks in first and out last: 2 rounds
-  more). For backends whose all-reduce is not latency-optimal for a few hundred bytes (gloo on a CPU host runs one
-  in about 2 (p - 1) rounds).
+  more). Half the tree's rounds, at the price of a merge after each round instead of one division at the end.
 * ``ring`` (the baseline the paper measures against): ring attention. The ranks' KV shards travel around the ring
   (p - 1 rounds, the next shard's send/recv posted before the current one is attended); every rank attends the
   query to every shard. Its messages grow with the cache: the whole cache passes through every rank each layer.
@@ -186,6 +187,11 @@ class ShardedKeys:
         self.held = self.held_by_rank[runtime.rank]
         self.appends = runtime.rank == runtime.world_size - 1
         self._log_p = math.ceil(math.log2(runtime.world_size)) if runtime.world_size > 1 else 0
+        # gloo runs an all-reduce of a few hundred bytes as a ring of 2 (p - 1) rounds: beyond 2 ranks the tree's
+        # all-reduces go by recursive doubling there instead (log2 p rounds; at 2 ranks both are one exchange and
+        # measured the same). NCCL's own are latency-optimal already.
+        self._doubling_all_reduce = (runtime.distributed and runtime.world_size > 2
+                                     and dist.get_backend() == "gloo")
 
     def attend(self, q, k, v, cache: AttentionCache, cache_start: int) -> torch.Tensor:
         if q.shape[2] != 1:
@@ -221,11 +227,23 @@ class ShardedKeys:
         raise ValueError(f"ShardedKeys.merge: method {self.method!r} does not merge partials (use attend)")
 
     def _tree(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        m = self.runtime.all_reduce(lse.clone(), "max")
+        m = self._all_reduce(lse.contiguous(), "max")
         weight = torch.exp(lse - m)[..., None]
-        fused = self.runtime.all_reduce(torch.cat((o * weight, weight), dim=-1), "sum")
-        self.stats.add(2, 2 * self._log_p, m.nbytes + fused.nbytes)
+        fused = self._all_reduce(torch.cat((o * weight, weight), dim=-1), "sum")
+        if self._doubling_all_reduce:
+            rounds, sends = self._doubling_rounds()
+            self.stats.add(2, 2 * rounds, sends * (m.nbytes + fused.nbytes))
+        else:
+            self.stats.add(2, 2 * self._log_p, m.nbytes + fused.nbytes)
         return fused[..., :-1] / fused[..., -1:]
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """One of the tree's all-reduces (``op`` "max" or "sum"): the backend's own, or on gloo by recursive
+        doubling (a max or a sum of two operands rounds the same whichever comes first, so every rank still
+        gets the same bits)."""
+        if not self._doubling_all_reduce:
+            return self.runtime.all_reduce(tensor.clone(), op)
+        return self._recursive_doubling(tensor, torch.maximum if op == "max" else torch.add)
 
     def _exchange(self, piece: torch.Tensor, peer: int) -> torch.Tensor:
         """Send ``piece`` to ``peer`` and receive its piece of the same shape (one round)."""
@@ -234,16 +252,25 @@ class ShardedKeys:
         return incoming
 
     def _butterfly(self, piece: torch.Tensor) -> torch.Tensor:
-        """Recursive doubling over the largest power of 2 q <= p ranks: in round k rank r exchanges its block's
-        merged piece with rank r xor 2^k and both merge the lower block's first, so that after log2 q rounds every
-        rank holds the same merge of all. Ranks q..p-1 first hand their piece to rank r - q and get the result
-        back from it at the end."""
-        _check_device(piece, self.runtime.device, "butterfly exchange")
+        rounds, sends = self._doubling_rounds()
+        self.stats.add(rounds, rounds, sends * piece.nbytes)
+        return self._recursive_doubling(piece, merge_pieces)
+
+    def _doubling_rounds(self) -> tuple[int, int]:
+        """(send/recv rounds, messages this rank sends) of one ``_recursive_doubling``."""
         world, rank = self.runtime.world_size, self.runtime.rank
         q = 1 << (world.bit_length() - 1)
         rounds = q.bit_length() - 1 + (2 if q < world else 0)
-        sends = 1 if rank >= q else q.bit_length() - 1 + (1 if rank + q < world else 0)
-        self.stats.add(rounds, rounds, sends * piece.nbytes)
+        return rounds, 1 if rank >= q else q.bit_length() - 1 + (1 if rank + q < world else 0)
+
+    def _recursive_doubling(self, piece: torch.Tensor, combine) -> torch.Tensor:
+        """``combine`` over every rank's ``piece``, the result on every rank. Over the largest power of 2 q <= p
+        ranks: in round k rank r exchanges its block's combined piece with rank r xor 2^k and both compute
+        ``combine(lower block's, upper block's)``, so that after log2 q rounds every rank holds the same bits.
+        Ranks q..p-1 first hand their piece to rank r - q and get the result back from it at the end."""
+        _check_device(piece, self.runtime.device, "recursive-doubling exchange")
+        world, rank = self.runtime.world_size, self.runtime.rank
+        q = 1 << (world.bit_length() - 1)
         if rank >= q:
             dist.send(piece, rank - q)
             result = torch.empty(piece.shape, dtype=piece.dtype, device=self.runtime.device)
@@ -252,12 +279,12 @@ class ShardedKeys:
         if rank + q < world:
             extra = torch.empty(piece.shape, dtype=piece.dtype, device=self.runtime.device)
             dist.recv(extra, rank + q)
-            piece = merge_pieces(piece, extra)
+            piece = combine(piece, extra)
         distance = 1
         while distance < q:
             peer = rank ^ distance
             other = self._exchange(piece, peer)
-            piece = merge_pieces(piece, other) if rank < peer else merge_pieces(other, piece)
+            piece = combine(piece, other) if rank < peer else combine(other, piece)
             distance <<= 1
         if rank + q < world:
             dist.send(piece, rank + q)
