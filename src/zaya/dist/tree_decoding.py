@@ -28,8 +28,8 @@ so that no inf - inf appears), and the ranks' partials are merged by one of ``ME
 
   exactly softmax attention over the union of the keys. 2 collectives a layer whatever p, each of ceil(log2 p)
   latency steps: NCCL runs small all-reduces that way itself; gloo runs one as a ring of 2 (p - 1) rounds, so on
-  gloo beyond 2 ranks the two go by recursive doubling (``_recursive_doubling``, the exchange ``butterfly`` uses, combining with
-  max and +, which round the same whichever operand comes first: every rank gets the same bits).
+  gloo beyond 2 ranks the two go by recursive doubling (``_recursive_doubling``, the exchange ``butterfly`` uses,
+  combining with max and +, which round the same whichever operand comes first: every rank gets the same bits).
 * ``butterfly``: the same reduction as one recursive-doubling exchange of the packed (o, lse) pairs, merged by
   ``merge_pieces`` (the lower ranks' block first, so every rank computes the same bits): log2 p send/recv rounds a
   layer, one message each (a world that is not a power of 2 folds its extra ranks in first and out last: 2 rounds
@@ -227,7 +227,7 @@ class ShardedKeys:
         raise ValueError(f"ShardedKeys.merge: method {self.method!r} does not merge partials (use attend)")
 
     def _tree(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        m = self._all_reduce(lse.contiguous(), "max")
+        m = self._all_reduce(lse.clone(), "max")  # a copy: the backend's all-reduce works in place
         weight = torch.exp(lse - m)[..., None]
         fused = self._all_reduce(torch.cat((o * weight, weight), dim=-1), "sum")
         if self._doubling_all_reduce:
@@ -242,7 +242,7 @@ class ShardedKeys:
         doubling (a max or a sum of two operands rounds the same whichever comes first, so every rank still
         gets the same bits)."""
         if not self._doubling_all_reduce:
-            return self.runtime.all_reduce(tensor.clone(), op)
+            return self.runtime.all_reduce(tensor, op)
         return self._recursive_doubling(tensor, torch.maximum if op == "max" else torch.add)
 
     def _exchange(self, piece: torch.Tensor, peer: int) -> torch.Tensor:
