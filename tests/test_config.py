@@ -87,3 +87,45 @@ def test_a_seq_len_context_parallelism_cannot_split_is_refused_with_one_that_can
     fixed = text.replace(what.split(" = ")[1], str(nearest)) if "stage" in what else \
         text.replace(what.split(" = ")[1] + "\n", f"{nearest}\n")
     load_config(write(tmp_path, fixed))
+
+
+def _float_fields() -> list[tuple[str, str]]:
+    """Every (table, key) of the config whose value is one float (one rule covers them all: none is a list)."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from zaya.config import Config
+
+    out = []
+    for table in dataclasses.fields(Config):
+        cls = get_type_hints(Config)[table.name]
+        if not dataclasses.is_dataclass(cls):
+            continue  # stages: tested below
+        out += [(table.name, f.name) for f in dataclasses.fields(cls) if get_type_hints(cls)[f.name] is float]
+    return out
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_float_field_refuses_non_finite_values(tmp_path, value):
+    fields = _float_fields()
+    assert len(fields) > 30 and ("optim", "lr") in fields and ("aegis", "lr_cut") in fields
+    for table, key in fields:
+        with pytest.raises(ConfigError) as err:
+            load_config(CONFIGS / "tiny.toml", [f"{table}.{key}={value}"])
+        message = str(err.value)
+        assert f"[{table}].{key} = {value}: must be a finite number" in message and "default is" in message, message
+
+
+@pytest.mark.parametrize("text,where", [
+    ("[optim]\nlr = nan\n", "[optim].lr = nan"),
+    ("[optim]\nbetas = [0.9, inf]\n", "[optim].betas[1] = inf"),
+    ("[model]\nrouter_balance_betas = [-inf, 0.9]\n", "[model].router_balance_betas[0] = -inf"),
+    ("[data]\nweights = { shakespeare = nan }\n", "[data].weights.shakespeare = nan"),
+    ('[[stages]]\nname = "s"\nrope_theta = inf\n', "[[stages]][0].rope_theta = inf"),
+    ('[[stages]]\nname = "s"\nweights = { shakespeare = -inf }\n', "[[stages]][0].weights.shakespeare = -inf"),
+])
+def test_non_finite_floats_in_toml_lists_and_tables_are_config_errors(tmp_path, text, where):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text))
+    assert "c.toml" in str(err.value) and f"{where}: must be a finite number" in str(err.value)
+    load_config(write(tmp_path, text.replace("-inf", "0.5").replace("inf", "0.5").replace("nan", "0.5")))  # finite: fine

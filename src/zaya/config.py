@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -627,16 +628,29 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
                               "table)")
         if key not in valid:
             raise ConfigError(f"{where}: unknown key {key!r}.{_nearest(key, valid)}")
-        kwargs[key] = _check_type(value, hints[key], f"{where}.{key}")
+        try:
+            kwargs[key] = _check_type(value, hints[key], f"{where}.{key}")
+        except _NonFinite as err:
+            default = next(f.default for f in fields(cls) if f.name == key)
+            fix = f" (the default is {default!r})" if default is not dataclasses.MISSING else ""
+            raise ConfigError(f"{err}: must be a finite number (nan and inf are not values a run can use); write "
+                              f"a finite one{fix}") from None
     try:
         return cls(**kwargs)
     except ConfigError as err:
         raise ConfigError(f"{where.rsplit('[', 1)[0]}: {err}") from None
 
 
+class _NonFinite(ConfigError):
+    """A float value that is nan or +-inf (TOML has both; ``--set optim.lr=nan`` parses as one): every float
+    field refuses it, since no rate, timeout or coefficient of a run is meaningful as one."""
+
+
 def _check_type(value: Any, hint: Any, where: str) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise _NonFinite(f"{where} = {value!r}")
     if hint in (int, float, str, bool):
         if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
             raise ConfigError(f"{where} = {value!r}: expected {hint.__name__}")
