@@ -348,8 +348,9 @@ class CheckpointConfig:
     ram_dir: str = resumable("")
     """Directory of the RAM tier; "" = /dev/shm/zaya (per node). Must be a RAM-backed filesystem to help."""
     on_error: str = resumable("continue")
-    """A save that fails (e.g. a full disk): "continue" training (the previous checkpoint stays the newest; a
-    warning names the error) or "stop" the run."""
+    """A periodic save that fails (e.g. a full disk): "continue" training (the previous checkpoint stays the newest;
+    a warning names the error) or "stop" the run (exit 5). A failed closing save (the final one, the one on a
+    signal, the one before a context-parallel relaunch) always stops the run with exit 5: nothing trains after it."""
 
     def __post_init__(self) -> None:
         if self.keep < 1:

@@ -10,8 +10,9 @@ cluster's job system) reads to decide what to do next.
 |      | tokenizer)                                                     |                                           |
 | 4    | non-finite loss or gradient                                    | resume from the named checkpoint with a   |
 |      |                                                                | lower lr, or skip the batch               |
-| 5    | checkpoint failure (a save failed with on_error = "stop", or    | free space / fix storage, then resume     |
-|      | none of the checkpoints can be loaded)                         |                                           |
+| 5    | checkpoint failure (a save failed with on_error = "stop", the  | free space / fix storage, then resume     |
+|      | run's final or on-signal save failed, or none of the           |                                           |
+|      | checkpoints can be loaded)                                     |                                           |
 | 6    | collective timeout or lost peer (a rank died, hung or lost the  | replace the node, resume                  |
 |      | network for longer than train.timeout_s)                       |                                           |
 | 75   | interrupted by a signal; a checkpoint was written              | resume with the same command              |

@@ -32,9 +32,11 @@ rank stages, DCP-saves and RAM-copies only what it owns: under DDP at world N, 1
 DCP, each rank checksumming the files it writes as it writes them (writer.py); rank 0 gathers the checksums, writes
 ``meta.json`` and ``COMMIT`` and renames the directory into place. A crash at any point leaves the previous
 checkpoint as the newest valid one; a failed save (a full disk, say) removes its partial directory and, by default,
-lets training go on. **Async**: the owned state is first copied into host memory (the only time training waits;
-exactly-sized page-locked buffers on CUDA, reused across saves), then a background thread does all of the above on
-a gloo group of its own, so its collectives never interleave with training's. At most one save is in flight; a
+lets training go on; a failed *closing* save (``closing``: the run's final one, the one on a signal, the one before
+a relaunch) raises ``CheckpointError`` on every rank whatever ``on_error`` says, since no training follows it.
+**Async**: the owned state is first copied into host memory (the only time training waits; exactly-sized
+page-locked buffers on CUDA, reused across saves), then a background thread does all of the above on a gloo group
+of its own, so its collectives never interleave with training's. At most one save is in flight; a
 save that falls due while one is writing waits for it or is skipped (``when_busy``).
 
 **Load**: ``select`` finds the newest checkpoint that passes verification (sizes, and checksums spread over
@@ -181,6 +183,7 @@ class CheckpointStore:
         self._ram_step: int | None = None  # the step select() found in every rank's RAM tier
         self.last_outcome: SaveOutcome | None = None
         self.fatal: SaveOutcome | None = None  # a failed save with on_error = "stop"
+        self.committed_step: int | None = None  # the step of this process's newest committed save
 
     # ------------------------------------------------------------------------------------------------- parts
     @staticmethod
@@ -213,7 +216,7 @@ class CheckpointStore:
 
     # -------------------------------------------------------------------------------------------------- save
     def save(self, step: int, parts: Mapping[str, Stateful], meta: dict[str, Any], blocking: bool | None = None,
-             ram_copy: bool = True) -> SaveOutcome | None:
+             ram_copy: bool = True, closing: str = "") -> SaveOutcome | None:
         """Checkpoint the state of ``parts`` at ``step``, with ``meta`` (JSON) in meta.json. Blocking
         (``blocking=True``, or ``async_save = false``): returns the outcome once committed (or failed). Otherwise
         returns None once the state is staged; the write goes on in the background and ``wait`` (or the next save)
@@ -222,8 +225,10 @@ class CheckpointStore:
         checkpoint: nothing will restart from it in a hurry). A part whose non-tensor state is not JSON fails the
         save at once: its failed outcome is returned (and settled: with ``on_error = "stop"`` it raises), blocking
         or not. Non-tensor state must be the same on every rank: rank 0's is written. A part name that is one of
-        ``RESERVED_META_KEYS``, a key of ``meta``, or has a '.' is a ValueError."""
-        blocking = (not self.config.async_save) if blocking is None else blocking
+        ``RESERVED_META_KEYS``, a key of ``meta``, or has a '.' is a ValueError. ``closing``: why this is the run's
+        last save ("final", a stop request, ...): it blocks, and its failure raises CheckpointError on every rank
+        whatever ``on_error`` says (nothing trains after it, so "training goes on" would hide a lost run)."""
+        blocking = True if closing else (not self.config.async_save) if blocking is None else blocking
         self._check_names(parts, meta)
         doc = copy.deepcopy(meta)  # the caller's meta as of now, whatever happens to it meanwhile
         t0 = time.perf_counter()
@@ -234,8 +239,8 @@ class CheckpointStore:
             self.log(f"checkpoint at step {step} skipped: the previous save is still writing "
                      '(checkpoint.when_busy = "skip")')
             return None
-        if self._thread is not None:
-            self.wait()
+        if self._thread is not None or closing:  # closing: collective (every rank agrees on the save in flight)
+            self.wait(closing=bool(closing))
         flat: dict[str, torch.Tensor] = {}
         error = None
         try:
@@ -248,7 +253,7 @@ class CheckpointStore:
             error = f"{type(exc).__name__}: {exc}"
         if self._ctl.any(error is not None):  # every rank stops here, before any collective of the save
             outcome = SaveOutcome(step, False, error=error or "a part's state could not be collected on another rank")
-            self._settle(outcome)
+            self._settle(outcome, closing)
             return outcome
         doc.update(step=step, world_size=self.world_size, parallel=self.parallel, parts=list(parts))
         ownership = self._ownership_of(flat)
@@ -259,7 +264,7 @@ class CheckpointStore:
             outcome = self._write(step, owned, replicated, doc, ram_copy)
             outcome.nbytes, outcome.rank_bytes, outcome.seconds = nbytes, rank_bytes, time.perf_counter() - t0
             outcome.blocked_seconds = outcome.seconds
-            self._settle(outcome)
+            self._settle(outcome, closing)
             return outcome
         staged = stage(owned, self._buffers)
         if self._buffers.pin_failed and not self._pin_warned:
@@ -284,17 +289,33 @@ class CheckpointStore:
         self._thread.start()
         return None
 
-    def wait(self) -> SaveOutcome | None:
+    def wait(self, closing: bool = False) -> SaveOutcome | None:
         """Wait for the save in flight (if any) and return its outcome; raises if it failed and
-        ``on_error = "stop"``."""
-        if self._thread is None:
-            return None
-        self._thread.join()
-        self._thread = None
-        outcome = self._result or SaveOutcome(self._pending_step, False, error="the save thread ended silently")
-        self._result = None
-        self._settle(outcome)
+        ``on_error = "stop"``. ``closing``: the run's closing save comes next (collective then: every rank agrees
+        on the outcome), so a failure here is reported as such, not with "training goes on"."""
+        outcome = None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            outcome = self._result or SaveOutcome(self._pending_step, False, error="the save thread ended silently")
+            self._result = None
+        if closing:
+            outcome = self._agree(outcome)
+        if outcome is not None:
+            self._settle(outcome, before_closing=closing)
         return outcome
+
+    def _agree(self, outcome: SaveOutcome | None) -> SaveOutcome | None:
+        """Collective: an outcome that succeeded here but failed on another rank is a failure on every rank."""
+        failed_elsewhere = self._ctl.any(outcome is not None and not outcome.ok)
+        if failed_elsewhere and outcome is not None and outcome.ok:
+            return SaveOutcome(outcome.step, False, error="the save failed on another rank (see its log)")
+        return outcome
+
+    def committed(self, step: int) -> bool:
+        """Collective: whether every rank saw this process's save of ``step`` commit (then a closing save of the
+        same step is not needed)."""
+        return not self._ctl.any(self.committed_step != step)
 
     def poll_failed(self) -> bool:
         """Whether a finished background save failed with ``on_error = "stop"`` (local; the trainer agrees on it
@@ -309,22 +330,36 @@ class CheckpointStore:
         except CheckpointError:
             return self.last_outcome
 
-    def _settle(self, outcome: SaveOutcome) -> None:
+    def _settle(self, outcome: SaveOutcome, closing: str = "", before_closing: bool = False) -> None:
+        """Record and report a finished save. A failure raises with ``on_error = "stop"``, and always when the save
+        was ``closing`` (the run's last one: agreed on every rank first); otherwise it is a warning."""
+        if closing:
+            outcome = self._agree(outcome)
         self.last_outcome = outcome
         for note in outcome.notes:
             self.log(f"warning: {note}")
         if outcome.ok:
+            self.committed_step = outcome.step
             how = (f"async: training waited {outcome.blocked_seconds:.2f} s" if outcome.asynchronous
                    else "blocking")
             self.log(f"checkpoint {outcome.path} ({outcome.nbytes / 1e6:,.0f} MB, {outcome.seconds:.1f} s, {how})")
             return
         newest = latest_checkpoint(self.directory)
-        message = (f"checkpoint of step {outcome.step} failed: {outcome.error}. The newest checkpoint is still "
-                   f"{newest or 'none'}")
+        message = f"checkpoint of step {outcome.step} failed: {outcome.error}."
+        if closing:
+            self.fatal = outcome
+            raise CheckpointError(
+                f"{message} It was the run's last checkpoint ({closing}), so the run stops without it: "
+                + (f"the newest checkpoint is {newest}, where the same command resumes once the storage is fixed"
+                   if newest else "this run has no checkpoint at all; fix the storage and run the same command "
+                   "again"))
+        message += f" The newest checkpoint is still {newest or 'none'}"
         if self.config.on_error == "stop":
             self.fatal = outcome
             raise CheckpointError(message + ' (checkpoint.on_error = "stop")')
-        self.log(f"warning: {message}; training goes on (set checkpoint.on_error = \"stop\" to stop instead)")
+        then = ("the run's closing checkpoint is written next" if before_closing
+                else 'training goes on (set checkpoint.on_error = "stop" to stop instead)')
+        self.log(f"warning: {message}; {then}")
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], replicated: list, doc: dict[str, Any],
                ram_copy: bool) -> SaveOutcome:

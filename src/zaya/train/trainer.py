@@ -215,13 +215,10 @@ class Trainer:
                 self.say(f"already at step {p.step} >= max_steps {tc.max_steps}: nothing to train")
             first_val = self.evaluate() if p.step == 0 and tc.eval_every > 0 else None
             val_loss, schedule_done, interrupted = first_val, False, False
-            last_saved = p.step if self.resumed_from else -1
             while p.step < tc.max_steps:
                 relaunch = self._context_parallel_change()
                 if relaunch:
-                    if last_saved != p.step:
-                        self.save("context parallel size change")
-                        last_saved = p.step
+                    self._close_with_checkpoint("context parallel size change")
                     self.say(relaunch)
                     interrupted = True
                     break
@@ -239,22 +236,19 @@ class Trainer:
                 if tc.eval_every and p.step % tc.eval_every == 0 and p.step < tc.max_steps:
                     val_loss = self.evaluate()
                 if self.stop_request.agreed:
-                    self.save(f"stop requested ({self.stop_request.signal_name or 'signal on another rank'})")
-                    last_saved, interrupted = p.step, True
+                    who = self.stop_request.signal_name or "signal on another rank"
+                    self._close_with_checkpoint(f"stop requested ({who})")
+                    interrupted = True
                     self.say(f"stopped at step {p.step} on request; resume with the same command")
                     break
                 if ck.every and p.step % ck.every == 0 and p.step < tc.max_steps:
                     self.save("periodic")
-                    last_saved = p.step
             finished = not interrupted and (p.step >= tc.max_steps or schedule_done)
             if schedule_done:
                 self.say(f"the data schedule ended after {p.tokens:,} tokens (step {p.step})")
             if finished:
                 val_loss = self.evaluate()
-                if last_saved != p.step:
-                    self.save("final")
-                else:
-                    self.store.wait()
+                self._close_with_checkpoint("final")
                 self.store.forget_ram_tier()  # a finished run needs no crash-restart copy in host memory
             summary = {"step": p.step, "tokens": p.tokens, "first_val_loss": first_val, "val_loss": val_loss,
                        "first_loss": self._first_loss,
@@ -454,14 +448,25 @@ class Trainer:
         return val_loss
 
     def save(self, reason: str) -> None:
-        """Checkpoint now (collective). Periodic saves run in the background (checkpoint.async_save); the final
-        and on-signal ones block until committed."""
+        """Checkpoint now (collective). Periodic saves run in the background (checkpoint.async_save); any other
+        is the run's closing save (final, on a signal, before a relaunch): it blocks until committed, and its
+        failure raises CheckpointError (exit 5) whatever checkpoint.on_error says."""
         p = self.progress
         # The store adds step, world_size, parallel and save_id.
         meta = {"tokens": p.tokens, "model_config": to_dict(self.config.model), "reason": reason, "time": time.time()}
-        self.store.save(p.step, self.parts, meta, blocking=None if reason == "periodic" else True,
-                        ram_copy=reason != "final")
+        self.store.save(p.step, self.parts, meta, ram_copy=reason != "final",
+                        closing="" if reason == "periodic" else reason)
         self._call("on_save", p.step, reason)
+
+    def _close_with_checkpoint(self, reason: str) -> None:
+        """The run stops after this step: make sure a checkpoint of it is committed (collective). A save still
+        in flight is collected first; unless it (or the resume) already holds this step, the closing save is
+        written, and its failure ends the run with exit 5: nothing would be saved after it."""
+        step = self.progress.step
+        self.store.wait(closing=True)
+        resumed_here = self.resumed_from is not None and self.resumed_from["step"] == step
+        if not (resumed_here or self.store.committed(step)):
+            self.save(reason)
 
     def newest_checkpoint(self) -> Path | None:
         from zaya.checkpoint.store import latest_checkpoint

@@ -1,0 +1,145 @@
+"""No run is silently lost: a failed closing checkpoint (final, on a signal) ends the run with exit 5 whatever
+checkpoint.on_error says, on every rank, naming the step, the error and the newest good checkpoint; a full disk
+at start is an error naming the directory."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_helpers import run_ranks
+
+from zaya.config import load_config
+from zaya.errors import CheckpointError
+
+QUICK = ["--set", "train.eval_every=0", "--set", "train.sample_tokens=0"]
+
+
+def _limit_file_size(limit: int):
+    """A preexec_fn: writes past ``limit`` bytes fail with EFBIG (as a full disk fails them with ENOSPC)."""
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def zaya(*args: str, limit: int | None = None, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "zaya", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=None if limit is None else _limit_file_size(limit), **popen)
+
+
+def fail_writes(monkeypatch, when) -> None:
+    """Checkpoint files fail with ENOSPC while ``when()`` is true (the checkpoint writer's stream)."""
+    from zaya.checkpoint import writer
+
+    real = writer._ChecksummingStream.write
+
+    def write(self, b):
+        if when():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, b)
+
+    monkeypatch.setattr(writer._ChecksummingStream, "write", write)
+
+
+def fail_the_final_save(monkeypatch) -> None:
+    from zaya.checkpoint.store import CheckpointStore
+
+    real, state = CheckpointStore.save, {"final": False}
+
+    def save(self, *args, **kwargs):
+        state["final"] = kwargs.get("closing") == "final"
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStore, "save", save)
+    fail_writes(monkeypatch, lambda: state["final"])
+
+
+# --- a failed closing checkpoint -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failed_final_save_stops_with_the_newest_good_checkpoint_whatever_on_error_says(
+        tmp_path, micro_config, monkeypatch, async_save):
+    from zaya.train.trainer import train
+
+    fail_the_final_save(monkeypatch)
+    run = tmp_path / "run"
+    config = load_config(micro_config(run), ["train.max_steps=3", "checkpoint.every=2", "train.eval_every=0",
+                                             "train.sample_tokens=0", 'checkpoint.on_error="continue"',
+                                             f"checkpoint.async_save={str(async_save).lower()}"])
+    logs: list[str] = []
+    monkeypatch.setattr("zaya.train.callbacks.ProgressDisplay.say", lambda self, text: logs.append(text))
+    with pytest.raises(CheckpointError) as err:
+        train(config, resume="never")
+    message = str(err.value)
+    assert err.value.exit_code == 5
+    assert "checkpoint of step 3 failed" in message and "No space left on device" in message, message
+    assert "MiB free in" in message and f"{run / 'checkpoints' / 'step-00000002'}" in message, message
+    assert not any("training goes on" in line for line in logs), logs
+    from zaya.checkpoint.store import latest_checkpoint
+
+    assert latest_checkpoint(run / "checkpoints").name == "step-00000002"
+
+
+def test_zaya_train_on_a_full_disk_exits_5_never_0(tmp_path, micro_config):
+    """Every save refused (the files past 200 KB): the periodic failure is a warning, the final one exit 5."""
+    run = tmp_path / "run"
+    proc = zaya("train", "--config", str(micro_config(run)), "--max-steps", "2", "--set", "checkpoint.every=1",
+                *QUICK, limit=200_000)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 5, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("zaya: error: checkpoint of step 2 failed") and "no checkpoint at all" in last, out
+    assert "checkpoint of step 1 failed" in out and "training goes on" in out  # the periodic one: a warning
+    assert not list((run / "checkpoints").iterdir())
+
+
+def test_a_sigterm_whose_checkpoint_fails_exits_5_not_75(tmp_path, micro_config):
+    run = tmp_path / "run"
+    proc = zaya("train", "--config", str(micro_config(run)), "--max-steps", "100000", "--set",
+                "checkpoint.every=0", *QUICK, limit=200_000)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count('"train"') >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 5, out
+    assert "last checkpoint (stop requested (SIGTERM))" in out and "stopped at step" not in out, out
+
+
+def _final_save_fails_on_rank_1(rank: int, world: int, dataset: str, root: str) -> str:
+    import pytest as _pytest
+
+    from zaya.config import config_from_dict
+    from zaya.train.trainer import train
+
+    mp = _pytest.MonkeyPatch()
+    if rank == 1:
+        fail_the_final_save(mp)
+    import tomllib
+
+    from conftest import MICRO_CONFIG
+
+    data = tomllib.loads(MICRO_CONFIG.format(dataset=dataset, run_dir=root))
+    data["train"].update(max_steps=2, eval_every=0, sample_tokens=0)
+    data["checkpoint"].update(every=0)
+    train(config_from_dict(data, "micro"), resume="never")
+    return "finished"
+
+
+def test_a_final_save_that_fails_on_one_rank_stops_every_rank_with_exit_5(tmp_path, shakespeare_dataset):
+    results = run_ranks(_final_save_fails_on_rank_1, 2, str(shakespeare_dataset), str(tmp_path / "run"))
+    for r in results:
+        assert r.exit_code == 5 and "checkpoint of step 2 failed" in r.error, r.error
+    assert "No space left on device" in results[0].error
