@@ -108,3 +108,72 @@ def test_text_stream_holds_back_a_possible_stop():
     assert "".join(sent) == "hello "  # "E" could start "END"
     assert s.update([ord(c) for c in "hello EN!"]) == "EN!" and not s.stopped
     assert s.update([ord(c) for c in "hello EN!END more"]) == "" and s.stopped and s.text == "hello EN!"
+
+
+def _forced(params: SamplingParams, **values) -> SamplingParams:
+    """``params`` with values its checks refuse (a bug upstream, or a caller that skipped them)."""
+    for name, value in values.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+def test_one_requests_failure_never_fails_another():
+    """A request that fails while being admitted (a seed torch refuses), sampled (a NaN temperature) or finished (a
+    stop-string decode that raises on its output) fails alone, with its reason; the others give exactly what they
+    give alone."""
+    model = tiny_model()
+    text = {i: chr(ord("a") + i % 26) for i in range(512)}
+    plain = lambda ids: "".join(text[i] for i in ids)  # noqa: E731
+    poisoned_prompt = _prompt(3, 5)
+    poison = Engine(model, num_slots=1, capacity=64).run(
+        [Request(prompt=poisoned_prompt, max_tokens=1, sampling=SamplingParams(temperature=0))])[0].output[0]
+
+    def decode(ids):
+        if ids and ids[0] == poison:
+            raise RuntimeError(f"cannot decode {ids}")
+        return plain(ids)
+
+    def good() -> list[Request]:
+        return [Request(prompt=_prompt(9, 1), max_tokens=10, logprobs=2,
+                        sampling=SamplingParams(temperature=0.9, top_p=0.8, seed=4)),
+                Request(prompt=_prompt(5, 2), max_tokens=12, sampling=SamplingParams(temperature=0), stop=("zzzz",))]
+
+    bad = [Request(prompt=_prompt(4, 3), max_tokens=5, sampling=_forced(SamplingParams(seed=1), seed=2**64)),
+           Request(prompt=_prompt(6, 4), max_tokens=5,
+                   sampling=_forced(SamplingParams(temperature=0.5), temperature=float("nan"))),
+           Request(prompt=poisoned_prompt, max_tokens=5, sampling=SamplingParams(temperature=0), stop=("q",))]
+    together = good()
+    # 3 slots for 5 requests: the bad ones are admitted among the good ones, and queued behind them
+    Engine(model, num_slots=3, capacity=64, prefill_chunk=8, decode=decode).run(
+        [together[0], bad[0], bad[1], together[1], bad[2]])
+    for b, what in zip(bad, ("admitting the request", "sampling", "taking the sampled token")):
+        assert b.finish_reason == "error" and b.error.startswith(what), (b.finish_reason, b.error)
+    assert "cannot decode" in bad[2].error
+    for got, want in zip(together, good()):
+        alone = Engine(model, num_slots=1, capacity=64, decode=decode).run([want])[0]
+        assert got.output[:1] != [poison] and got.finish_reason == alone.finish_reason == "length"
+        assert got.output == alone.output and got.text == alone.text and len(got.output) == got.max_tokens
+        assert [lp.token for lp in got.output_logprobs] == [lp.token for lp in alone.output_logprobs]
+
+
+def test_sampling_values_at_their_limits_give_finite_probabilities():
+    """Temperatures, top-p values and repetition penalties that underflow or overflow fp32 (1e-45, 1e-300, a
+    subnormal, 1e300) sample a token (greedy below MIN_TEMPERATURE) instead of raising in torch.multinomial."""
+    from zaya.serve.sampling import MIN_TEMPERATURE, apply_repetition_penalty, sample_next
+
+    logits = torch.randn(3, 512, generator=torch.Generator().manual_seed(0)) * 20
+    gen = torch.Generator().manual_seed(1)
+    for t in (1e-45, 1e-300, 5e-324, MIN_TEMPERATURE / 2):
+        assert sample_next(logits, t, None, None, gen).tolist() == logits.argmax(-1).tolist()
+    assert sample_next(logits, 1.0, None, 1e-300, gen).tolist() == logits.argmax(-1).tolist()  # top-p keeps one
+    seen = torch.ones_like(logits, dtype=torch.bool)
+    for penalty in (1e-45, 5e-324, 1e300):
+        penalised = apply_repetition_penalty(logits, seen, penalty)
+        assert torch.isfinite(penalised).all()
+        for t, k, p in ((1.0, None, None), (MIN_TEMPERATURE, 5, 0.5), (1e300, None, None)):
+            assert sample_next(penalised, t, k, p, gen).shape == (3,)
+    for bad in ({"seed": 2**64}, {"seed": -1}, {"seed": 1.5}, {"temperature": float("nan")},
+                {"temperature": float("inf")}, {"repetition_penalty": float("inf")}, {"repetition_penalty": 0},
+                {"top_p": float("nan")}, {"top_k": -1}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)

@@ -13,6 +13,12 @@ plus the CCA convolution and value-shift state, allocated once). ``submit`` queu
    applies eos, stop strings and max_tokens. A finished request frees its slot at once; the next step can give it
    to a waiting request (requests join and leave between steps).
 
+One request never fails another: an exception while admitting, prefilling, sampling or finishing one request
+finishes that request alone (finish reason "error", ``Request.error`` says why, the traceback goes to the
+``zaya.serve`` log); the step goes on for the others, which produce what they would have alone (each samples with
+its own generator). Only a failure of the batched decode forward, which no one request owns, fails the requests
+decoding in it.
+
 ``generate_batch`` (behind ``model.generate``) runs a fixed batch on the same slot decoder and decode step, with
 the rows sampled together through ``decode_tokens`` and no host read per token.
 
@@ -23,6 +29,7 @@ can use it without an import cycle.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,8 +37,10 @@ from typing import Callable
 import torch
 
 from zaya.serve.request import Request, TokenLogprob
-from zaya.serve.sampling import apply_repetition_penalty, decode_tokens, sample_next
+from zaya.serve.sampling import SamplingParams, apply_repetition_penalty, decode_tokens, sample_next
 from zaya.serve.text import TextStream
+
+log = logging.getLogger("zaya.serve")
 
 
 class ContextLengthError(ValueError):
@@ -80,8 +89,12 @@ class Engine:
         """Raise ValueError (``ContextLengthError`` for length) for a request this engine cannot serve."""
         if not request.prompt:
             raise ValueError("the prompt has no tokens")
-        if request.max_tokens < 0:
-            raise ValueError("max_tokens must be >= 0")
+        if not _is_int(request.max_tokens) or request.max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, not {request.max_tokens!r}")
+        if not all(_is_int(t) for t in request.prompt):
+            raise ValueError("the prompt's token ids must be ints")
+        if not isinstance(request.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, not {type(request.sampling).__name__}")
         low, high = min(request.prompt), max(request.prompt)
         if low < 0 or high >= self.vocab_size:
             raise ValueError(f"prompt holds token id {high if high >= self.vocab_size else low}, outside "
@@ -91,8 +104,8 @@ class Engine:
                                      f"{len(request.prompt)} and max_tokens is {request.max_tokens}")
         if request.stop and self.decode is None:
             raise ValueError("stop strings need a tokenizer (the engine was built without decode)")
-        if request.logprobs is not None and request.logprobs < 0:
-            raise ValueError("logprobs must be >= 0")
+        if request.logprobs is not None and (not _is_int(request.logprobs) or request.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int >= 0, not {request.logprobs!r}")
 
     def submit(self, request: Request) -> Request:
         """Queue ``request`` (checked first); it is admitted by a later ``step``."""
@@ -102,13 +115,24 @@ class Engine:
 
     def abort(self, request: Request) -> None:
         """Stop ``request`` now (a client went away); its slot is freed."""
+        self._release(request)
+        if not request.finished:
+            request.finish_reason = "abort"
+
+    def fail(self, request: Request, what: str, exc: BaseException) -> None:
+        """Finish ``request`` alone with finish reason "error" (``what`` failed with ``exc``); its slot is freed."""
+        log.error("request %s: %s failed", request.id, what, exc_info=exc)
+        self._release(request)
+        if not request.finished:
+            request.error = f"{what} failed: {type(exc).__name__}: {exc}"
+            request.finish_reason = "error"
+
+    def _release(self, request: Request) -> None:
         if request in self.waiting:
             self.waiting.remove(request)
         for active in self.slots:
             if active is not None and active.request is request:
                 self._free(active)
-        if not request.finished:
-            request.finish_reason = "abort"
 
     @property
     def busy(self) -> bool:
@@ -126,13 +150,19 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[Request]:
         """One scheduler iteration (see the module docstring); returns the requests that changed."""
-        self._admit()
+        changed: list[Request] = self._admit()
         sample: list[tuple[_Active, torch.Tensor]] = []
-        changed: list[Request] = []
         budget = self.prefill_chunk
         while self._prefill_order and budget > 0:
             active = self._prefill_order[0]
-            logits = self._prefill_chunk(active, budget)
+            self._last_chunk = 0
+            try:
+                logits = self._prefill_chunk(active, budget)
+            except Exception as exc:  # noqa: BLE001 - this request's failure, not the others'
+                budget -= max(1, self._last_chunk)
+                self.fail(active.request, "the prefill", exc)
+                changed.append(active.request)
+                continue
             budget -= self._last_chunk
             if active.prefilled < len(active.request.prompt):
                 break
@@ -153,9 +183,15 @@ class Engine:
                 positions[a.slot] = len(r.prompt) + len(r.output) - 1
                 idle[a.slot] = False
             keys = max(positions[a.slot] for a in decoding) + 1
-            logits = self.decoder.step(torch.tensor(tokens, device=self.device),
-                                       torch.tensor(positions, device=self.device), keys,
-                                       None if not any(idle) else torch.tensor(idle, device=self.device))
+            try:
+                logits = self.decoder.step(torch.tensor(tokens, device=self.device),
+                                           torch.tensor(positions, device=self.device), keys,
+                                           None if not any(idle) else torch.tensor(idle, device=self.device))
+            except Exception as exc:  # noqa: BLE001 - the batched forward: every request decoding in it fails
+                for a in decoding:
+                    self.fail(a.request, "the batched decode step", exc)
+                    changed.append(a.request)
+                decoding = []
             for a in decoding:
                 a.next_token = None
                 sample.append((a, logits[a.slot]))
@@ -164,28 +200,40 @@ class Engine:
         self.steps += 1
         return changed
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Request]:
+        """Give waiting requests free slots; returns those whose admission failed (finished with an error)."""
+        failed = []
         while self.waiting and None in self.slots:
             request = self.waiting.popleft()
             slot = self.slots.index(None)
-            self.decoder.reset(slot)
-            p = request.sampling
-            generator = None
-            if p.temperature > 0:
-                generator = torch.Generator(device=self.device)
-                if p.seed is not None:
-                    generator.manual_seed(p.seed)
-                else:
-                    generator.seed()
-            stream = TextStream(self.decode, request.stop) if self.decode is not None else None
-            active = _Active(request, slot, generator, stream)
-            if p.repetition_penalty != 1.0:
-                active.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-                active.seen[torch.tensor(request.prompt, device=self.device)] = True
-            if request.prompt_logprobs:
-                request.prompt_token_logprobs = [None]
+            try:
+                active = self._activate(request, slot)
+            except Exception as exc:  # noqa: BLE001 - this request's failure, not the others'
+                self.fail(request, "admitting the request", exc)
+                failed.append(request)
+                continue
             self.slots[slot] = active
             self._prefill_order.append(active)
+        return failed
+
+    def _activate(self, request: Request, slot: int) -> _Active:
+        self.decoder.reset(slot)
+        p = request.sampling
+        generator = None
+        if p.temperature > 0:
+            generator = torch.Generator(device=self.device)
+            if p.seed is not None:
+                generator.manual_seed(p.seed)
+            else:
+                generator.seed()
+        stream = TextStream(self.decode, request.stop) if self.decode is not None else None
+        active = _Active(request, slot, generator, stream)
+        if p.repetition_penalty != 1.0:
+            active.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            active.seen[torch.tensor(request.prompt, device=self.device)] = True
+        if request.prompt_logprobs:
+            request.prompt_token_logprobs = [None]
+        return active
 
     def _prefill_chunk(self, active: _Active, budget: int) -> torch.Tensor:
         r = active.request
@@ -203,7 +251,7 @@ class Engine:
             lp = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
             chosen = lp.gather(-1, torch.tensor(targets, device=self.device)[:, None])[:, 0]
             k = max(1, r.logprobs or 0)
-            top = lp.topk(k, dim=-1)
+            top = lp.topk(min(k, lp.shape[-1]), dim=-1)
             for tok, c, ids_, vals in zip(targets, chosen.tolist(), top.indices.tolist(), top.values.tolist()):
                 r.prompt_token_logprobs.append(TokenLogprob(tok, c, list(zip(ids_, vals))))
         return logits[-1]
@@ -211,6 +259,7 @@ class Engine:
     def _sample(self, rows: list[tuple[_Active, torch.Tensor]]) -> list[Request]:
         logits = torch.stack([l for _, l in rows]).float()
         actives = [a for a, _ in rows]
+        changed: list[Request] = []
         if all(a.request.sampling.greedy for a in actives):
             tokens = logits.argmax(dim=-1)
         else:
@@ -218,11 +267,16 @@ class Engine:
             for i, a in enumerate(actives):
                 p = a.request.sampling
                 row = logits[i:i + 1]
-                if a.seen is not None:
-                    row = apply_repetition_penalty(row, a.seen[None], p.repetition_penalty)
-                picked.append(sample_next(row, p.temperature, p.top_k or None, p.top_p, a.generator))
+                try:
+                    if a.seen is not None:
+                        row = apply_repetition_penalty(row, a.seen[None], p.repetition_penalty)
+                    picked.append(sample_next(row, p.temperature, p.top_k or None, p.top_p, a.generator))
+                except Exception as exc:  # noqa: BLE001 - this request's failure, not the others'
+                    self.fail(a.request, "sampling", exc)
+                    changed.append(a.request)
+                    picked.append(row.argmax(dim=-1))  # a placeholder: the row is dropped below
             tokens = torch.cat(picked)
-        want = [i for i, a in enumerate(actives) if a.request.logprobs is not None]
+        want = [i for i, a in enumerate(actives) if a.request.logprobs is not None and not a.request.finished]
         lp_rows = None
         if want:
             sel = torch.tensor(want, device=self.device)
@@ -232,31 +286,39 @@ class Engine:
             top = lp.topk(min(k, lp.shape[-1]), dim=-1)
             lp_rows = dict(zip(want, zip(chosen.tolist(), top.indices.tolist(), top.values.tolist())))
         host = tokens.tolist()  # the step's read of the sampled ids
-        changed = []
         for i, (a, token) in enumerate(zip(actives, host)):
-            r = a.request
-            if a.seen is not None:
-                a.seen[token] = True
-            changed.append(r)
-            if r.eos_token_id is not None and not r.ignore_eos and token == r.eos_token_id:
-                self._finish(a, "stop")
+            if a.request.finished:  # its sampling failed
                 continue
-            r.output.append(token)
-            if lp_rows is not None and i in lp_rows:
-                c, ids_, vals = lp_rows[i]
-                k = r.logprobs
-                r.output_logprobs.append(TokenLogprob(token, c, list(zip(ids_[:k], vals[:k]))))
-            if a.stream is not None:
-                a.stream.update(r.output)
-                r.text = a.stream.text[:a.stream.sent]
-                if a.stream.stopped:
-                    self._finish(a, "stop")
-                    continue
-            if len(r.output) >= r.max_tokens or len(r.prompt) + len(r.output) >= self.capacity:
-                self._finish(a, "length")
-                continue
-            a.next_token = token
+            changed.append(a.request)
+            try:
+                self._take(a, token, None if lp_rows is None else lp_rows.get(i))
+            except Exception as exc:  # noqa: BLE001 - this request's failure, not the others'
+                self.fail(a.request, "taking the sampled token", exc)
         return changed
+
+    def _take(self, a: _Active, token: int, logprobs: tuple | None) -> None:
+        """Apply one sampled ``token`` to ``a``'s request: eos, output, log-probabilities, stop strings, length."""
+        r = a.request
+        if a.seen is not None:
+            a.seen[token] = True
+        if r.eos_token_id is not None and not r.ignore_eos and token == r.eos_token_id:
+            self._finish(a, "stop")
+            return
+        r.output.append(token)
+        if logprobs is not None:
+            c, ids_, vals = logprobs
+            k = r.logprobs
+            r.output_logprobs.append(TokenLogprob(token, c, list(zip(ids_[:k], vals[:k]))))
+        if a.stream is not None:
+            a.stream.update(r.output)
+            r.text = a.stream.text[:a.stream.sent]
+            if a.stream.stopped:
+                self._finish(a, "stop")
+                return
+        if len(r.output) >= r.max_tokens or len(r.prompt) + len(r.output) >= self.capacity:
+            self._finish(a, "length")
+            return
+        a.next_token = token
 
     def _finish(self, active: _Active, reason: str) -> None:
         r = active.request
@@ -318,3 +380,7 @@ class Engine:
             return out
 
         return decode_tokens(input_ids, logits, step, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

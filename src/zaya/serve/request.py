@@ -50,8 +50,10 @@ class Request:
     text: str = ""
     """With stop strings: the output text, cut before the stop."""
     finish_reason: str | None = None
-    """None while running; "stop" (eos or a stop string), "length" (max_tokens or the slot's capacity) or
-    "abort"."""
+    """None while running; "stop" (eos or a stop string), "length" (max_tokens or the slot's capacity), "abort"
+    (a client went away, or the server stopped) or "error" (then ``error`` says what failed)."""
+    error: str | None = None
+    """Why the request failed (finish reason "error"): it alone failed, the engine's other requests go on."""
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ This module is below the model in the package layering (it imports no model code
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,12 +18,23 @@ import torch
 EOS_CHECK_EVERY = 16
 """``generate`` asks whether every row has emitted eos (a host read) once per this many decoded tokens."""
 
+MIN_TEMPERATURE = 1e-5
+"""A temperature below this is greedy: dividing logits by a tinier one (1e-45, a subnormal) overflows fp32 to inf,
+and the softmax of inf is NaN. Sampling at 1e-5 already picks the argmax unless two logits tie within ~1e-4."""
+
+_FP32_MAX = torch.finfo(torch.float32).max
+
+SEED_RANGE = (0, 2**63)
+"""Seeds are in [0, 2**63): what ``torch.Generator.manual_seed`` takes on every backend, as a signed 64-bit int."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens. temperature 0 = greedy; top_k None/0 = off; top_p None/1 = off;
     repetition_penalty 1 = off (CTRL's rule: a logit of a token already in the prompt or output is divided by the
-    penalty when positive and multiplied by it when negative); seed None = a fresh, unseeded generator."""
+    penalty when positive and multiplied by it when negative); seed None = a fresh, unseeded generator, else an
+    int in ``SEED_RANGE``. A temperature below ``MIN_TEMPERATURE`` is greedy. Every value is checked here (a
+    ValueError), so the engine never meets one that cannot be sampled."""
 
     temperature: float = 1.0
     top_k: int | None = None
@@ -32,41 +44,49 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_sampling(0, self.temperature, self.top_p)
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError("top_k must be >= 0 (0 or None disables it)")
-        if not self.repetition_penalty > 0:
-            raise ValueError("repetition_penalty must be > 0")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 0):
+            raise ValueError(f"top_k must be an int >= 0 (0 or None disables it), not {self.top_k!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, not {self.repetition_penalty!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be an int in [0, 2**63), not {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 and self.repetition_penalty == 1.0
+        return self.temperature < MIN_TEMPERATURE and self.repetition_penalty == 1.0
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float | None) -> None:
     """Raise ValueError for sampling options ``generate`` (and the distributed decoders) cannot honour."""
     if max_new_tokens < 0:
         raise ValueError("max_new_tokens must be >= 0")
-    if temperature < 0:
-        raise ValueError("temperature must be >= 0")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError("top_p must be in (0, 1]")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, not {temperature!r}")
+    if top_p is not None and not 0 < top_p <= 1:  # NaN fails this too
+        raise ValueError(f"top_p must be in (0, 1], not {top_p!r}")
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                 generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one token per row of ``logits`` [B, V]."""
+    """Pick one token per row of ``logits`` [B, V] (greedy below ``MIN_TEMPERATURE``)."""
     logits = logits.float()
-    if temperature == 0:
+    if temperature < MIN_TEMPERATURE:
         return logits.argmax(dim=-1)
-    logits = logits / temperature
+    # Logits that overflow fp32 (a large one over a small temperature or penalty) were the largest: keep them the
+    # largest, finite, so that the softmax sees no inf - inf.
+    logits = (logits / temperature).clamp(max=_FP32_MAX)
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1:
         sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
         probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens before it already reach top_p (the most likely one always stays).
+        # Drop a token when the tokens before it already reach top_p; the most likely one always stays (a top_p
+        # below fp32's smallest number rounds to 0, which the first token's 0 would otherwise "reach").
         drop = probs.cumsum(-1) - probs >= top_p
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
     probs = logits.softmax(-1)
@@ -78,7 +98,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     if penalty == 1.0:
         return logits
     logits = logits.float()
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(-_FP32_MAX, _FP32_MAX)
     return torch.where(seen, penalised, logits)
 
 
