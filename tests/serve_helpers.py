@@ -54,3 +54,15 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def post_json(url: str, body, key: str | None = None, timeout: float = 30, **kwargs):
+    """POST ``body`` as JSON (non-ASCII escaped, so a lone surrogate travels as the valid JSON ``"\\ud800"``)."""
+    import json
+
+    import httpx
+
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    return httpx.post(url, content=json.dumps(body).encode(), headers=headers, timeout=timeout, **kwargs)

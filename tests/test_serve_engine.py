@@ -177,3 +177,44 @@ def test_sampling_values_at_their_limits_give_finite_probabilities():
                 {"top_p": float("nan")}, {"top_k": -1}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def test_the_worker_finishes_every_request_it_takes():
+    """An exception escaping a step fails the requests the engine held (not the worker: it serves the next ones);
+    a request the engine refuses is finished with its error; closing finishes the rest with "abort". Each notify
+    is called once the request has finished."""
+    import threading
+
+    from zaya.serve.worker import EngineWorker
+
+    engine = Engine(tiny_model(), num_slots=2, capacity=64)
+    worker = EngineWorker(engine)
+    done = {}
+
+    def submit(request: Request) -> Request:
+        event = done[request.id] = threading.Event()
+        worker.submit(request, lambda: event.set() if request.finished else None)
+        return request
+
+    def wait(request: Request) -> None:
+        assert done[request.id].wait(10), request
+
+    step = engine.step
+    engine.step = lambda: (_ for _ in ()).throw(RuntimeError("a bug in the step"))
+    broken = [submit(Request(prompt=_prompt(5, i), max_tokens=4)) for i in range(3)]
+    for r in broken:
+        wait(r)
+        assert r.finish_reason == "error" and "a bug in the step" in r.error
+    engine.step = step
+    refused = submit(Request(prompt=[1, 512], max_tokens=2))
+    ok = submit(Request(prompt=_prompt(5, 9), max_tokens=3, sampling=SamplingParams(temperature=0)))
+    for r in (refused, ok):
+        wait(r)
+    assert refused.finish_reason == "error" and "outside" in refused.error and ok.finish_reason == "length"
+    running = [submit(Request(prompt=_prompt(5, i), max_tokens=60)) for i in range(3)]
+    worker.close()
+    late = submit(Request(prompt=_prompt(5, 1), max_tokens=2))
+    for r in running + [late]:
+        wait(r)
+        assert r.finish_reason in ("abort", "length")
+    assert late.finish_reason == "abort" and any(r.finish_reason == "abort" for r in running)

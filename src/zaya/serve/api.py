@@ -2,17 +2,45 @@
 
 Bodies are validated strictly: an unknown field, a wrong type (a string where a number goes, a float for an
 integer, a number for a boolean) or an out-of-range value is a 400 with an OpenAI-style error body
-(``{"error": {"message", "type", "param", "code"}}``), never a silent default. Extensions beyond OpenAI's fields:
-``top_k`` and ``repetition_penalty``; ``ignore_eos`` (keep generating past an end of document).
+(``{"error": {"message", "type", "param", "code"}}``), never a silent default. Every accepted value can be served:
+numbers are finite (``NaN`` / ``Infinity``, which Python's JSON reader takes, are refused) and bounded, so none
+makes a non-finite probability (a temperature below ``MIN_TEMPERATURE`` is greedy); a seed is in [0, 2**63);
+text holds no unpaired surrogate (``"\ud800"`` is valid JSON but no UTF-8 text). Extensions beyond OpenAI's fields:
+``top_k`` and ``repetition_penalty``; ``ignore_eos`` (keep generating past an end of document). Limits that depend
+on the server (token ids within its vocabulary, prompts per request, the context length) are checked by
+``zaya.serve.server``.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
-Number = Union[StrictFloat, StrictInt]
+from zaya.serve.sampling import SEED_RANGE
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
+MAX_TEMPERATURE = 100.0
+"""Far past uniform already: logits over 100 differ by little."""
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LOGPROBS = 20
+
+
+def _utf8(text: str) -> str:
+    """Refuse a string Python holds but UTF-8 cannot: one with an unpaired surrogate (``"\ud800"`` in JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holds an unpaired surrogate (U+{ord(text[exc.start]):04X} at character {exc.start}); "
+                         "send valid Unicode text") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_utf8)]
+StopText = Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS), AfterValidator(_utf8)]
+Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+"""A finite JSON number (an int is taken as a float; a bool or a string is refused)."""
 
 
 class APIError(Exception):
@@ -40,18 +68,19 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: StrictStr | None = None
-    temperature: Number = Field(1.0, ge=0)
+    model: Text | None = None
+    temperature: Number = Field(1.0, ge=0, le=MAX_TEMPERATURE, description="0 (or below 1e-5) = greedy")
     top_p: Number = Field(1.0, gt=0, le=1)
-    top_k: StrictInt = Field(0, ge=0, description="0 = off (an extension)")
-    repetition_penalty: Number = Field(1.0, gt=0, description="1 = off (an extension)")
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    top_k: StrictInt = Field(0, ge=0, description="0 = off (an extension); >= the vocabulary = off")
+    repetition_penalty: Number = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                       description="1 = off (an extension)")
+    seed: StrictInt | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(1, ge=1, le=1, description="one choice per prompt")
     ignore_eos: StrictBool = False
-    user: StrictStr | None = None
+    user: Text | None = None
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -63,17 +92,17 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token ids, or a list of lists
     of token ids (one choice each). ``max_tokens = 0`` with ``echo`` and ``logprobs`` scores the prompt."""
 
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt = Field(16, ge=0)
     echo: StrictBool = False
-    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
-    content: StrictStr
-    name: StrictStr | None = None
+    content: Text
+    name: Text | None = None
 
 
 class ChatRequest(_Sampling):
@@ -83,4 +112,24 @@ class ChatRequest(_Sampling):
     max_tokens: StrictInt | None = Field(None, ge=0)
     max_completion_tokens: StrictInt | None = Field(None, ge=0)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+def describe_validation_error(errors: list[dict]) -> tuple[str, str | None, str | None]:
+    """(message, param, code) for pydantic's errors about a body: the most telling one (a bad value before a type
+    mismatch among a union's alternatives), its location as the field path (``messages.0.content``)."""
+    if not errors:
+        return "the body is invalid", None, None
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+    # a union's alternatives appear in the location as tags such as "list[int]": not part of the field's path
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not (isinstance(p, str) and "[" in p)]
+    kind = first.get("type", "") or None
+    path = ".".join(loc) or None
+    if kind == "json_invalid":
+        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})", None, kind
+    if isinstance(first.get("input"), (bytes, bytearray)) and not loc:
+        return "the body must be a JSON object, sent with 'content-type: application/json'", None, kind
+    if kind == "extra_forbidden":
+        return f"unknown field {path!r}", path, kind
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{path or 'body'}: {message}", path, kind

@@ -1,7 +1,12 @@
 """Turning chat messages into a prompt.
 
-A tokenizer that comes with a chat template (``chat_template`` in a ``tokenizer_config.json`` beside its
-``tokenizer.json``, as Hugging Face ships them) is rendered with it (Jinja, ``add_generation_prompt=True``).
+A tokenizer that comes with a chat template, as Hugging Face ships them (``chat_template.jinja`` beside its
+``tokenizer.json``, or ``chat_template`` in the ``tokenizer_config.json`` there), is rendered with it: Jinja with
+``add_generation_prompt=True``, ``bos_token`` / ``eos_token`` and the config's other special tokens, in the sandbox
+and the child process of ``zaya.serve.template_sandbox`` (a template is code from whoever wrote the checkpoint).
+A template that does not parse, or a config that is not JSON, is a ``ConfigError`` when the server starts; a
+template that fails on a request fails that request (``ChatTemplateError``).
+
 Otherwise zaya's simple template, for base models trained on plain documents::
 
     <eos>System: {system}\n\nUser: {user}\n\nAssistant: {assistant}\n\n ... User: {user}\n\nAssistant:
@@ -14,49 +19,115 @@ know to stop after its turn, the simple template adds ``"\n\nUser:"`` as a stop 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
+
+from zaya.errors import ConfigError
+from zaya.serve.prompt import encode_prompt
+from zaya.serve.template_sandbox import MAX_MEMORY, RenderError, TemplateProcess, compile_template
 
 SIMPLE_STOP = "\n\nUser:"
 _ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+TEMPLATE_FILE = "chat_template.jinja"
+CONFIG_FILE = "tokenizer_config.json"
 
 
-@dataclass
+class ChatTemplateError(Exception):
+    """A chat template that failed on one request. ``client_error``: the template refused the messages
+    (``raise_exception``, a 400); otherwise the template itself is at fault (a 500)."""
+
+    def __init__(self, message: str, client_error: bool) -> None:
+        super().__init__(message)
+        self.client_error = client_error
+
+
 class ChatTemplate:
-    """``render(messages) -> (token ids, extra stop strings)``."""
+    """``render(messages) -> (token ids, extra stop strings)``; ``close()`` stops the template's child process."""
 
-    tokenizer: object
-    jinja: str | None = None
+    def __init__(self, tokenizer, jinja: str | None = None, where: str = "the chat template",
+                 special_tokens: dict[str, str] | None = None, timeout: float = 5.0, max_chars: int = 1 << 24,
+                 max_memory: int = MAX_MEMORY) -> None:
+        self.tokenizer, self.jinja, self.where = tokenizer, jinja, where
+        self.special_tokens = dict(special_tokens or {})
+        self._process = None
+        if jinja is not None:
+            try:
+                compile_template(jinja)
+            except Exception as exc:  # noqa: BLE001 - TemplateSyntaxError, or a parse that recursed too deeply
+                line = getattr(exc, "lineno", None)
+                raise ConfigError(f"{where}: the chat template does not parse ({type(exc).__name__}"
+                                  f"{f' on line {line}' if line else ''}: {exc}); fix it, or remove it to serve "
+                                  "with zaya's simple template") from None
+            self._process = TemplateProcess(jinja, timeout, max_chars, max_memory)
+            # The template spells special tokens as text: they are encoded as the special ids they are, by a copy
+            # of the tokenizer (the shared one encodes them as plain text, see zaya.data.tokenizer, and is used
+            # from other threads at the same time).
+            from tokenizers import Tokenizer as Backend
+
+            self._specials_backend = Backend.from_str(tokenizer.backend.to_str())
+            self._specials_backend.encode_special_tokens = False
 
     @classmethod
-    def for_tokenizer(cls, tokenizer) -> "ChatTemplate":
-        """The tokenizer's own template when its directory has one, else the simple template."""
+    def for_tokenizer(cls, tokenizer, **limits) -> "ChatTemplate":
+        """The tokenizer's own template when its directory has one, else the simple template. ``limits``:
+        ``timeout`` (seconds per render), ``max_chars`` (of the rendered text), ``max_memory`` (bytes)."""
         source = Path(str(getattr(tokenizer, "source", "")))
-        config = source.parent / "tokenizer_config.json"
-        template = None
-        if source.name and config.is_file():
+        if not source.name or not source.parent.is_dir():
+            return cls(tokenizer)
+        directory = source.parent
+        config: dict = {}
+        config_path = directory / CONFIG_FILE
+        if config_path.is_file():
             try:
-                template = json.loads(config.read_text()).get("chat_template")
-            except (OSError, ValueError):
-                template = None
-            if isinstance(template, list):  # several named templates: the default one
-                template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        return cls(tokenizer, template if isinstance(template, str) else None)
+                config = json.loads(config_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"{config_path}: cannot be read as JSON ({exc}); fix or remove it") from None
+            if not isinstance(config, dict):
+                raise ConfigError(f"{config_path}: holds a {type(config).__name__}, not a JSON object; fix or "
+                                  "remove it")
+        special = {k: v if isinstance(v, str) else v.get("content") for k, v in config.items()
+                   if k.endswith("_token") and (isinstance(v, str) or isinstance(v, dict)
+                                                and isinstance(v.get("content"), str))}
+        template_path = directory / TEMPLATE_FILE
+        if template_path.is_file():
+            try:
+                return cls(tokenizer, template_path.read_text(encoding="utf-8"), str(template_path), special,
+                           **limits)
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{template_path}: cannot be read ({exc}); fix or remove it") from None
+        template = config.get("chat_template")
+        if template is None:
+            return cls(tokenizer)
+        where = f"{config_path} (chat_template)"
+        if isinstance(template, list):  # several named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            if "default" not in named:
+                raise ConfigError(f"{where}: names the templates {sorted(map(str, named))} but none 'default', the "
+                                  "one a chat request uses; name one of them 'default'")
+            template = named["default"]
+        if not isinstance(template, str):
+            raise ConfigError(f"{where}: is a {type(template).__name__}, not a template string; fix or remove it")
+        return cls(tokenizer, template, where, special, **limits)
 
-    def render(self, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
+    def render(self, messages: list[dict], capacity: int | None = None) -> tuple[list[int], tuple[str, ...]]:
+        """The prompt's ids and extra stop strings; with ``capacity``, a prompt certainly longer than that many
+        tokens is a ``ContextLengthError`` before it is tokenized whole (``zaya.serve.prompt``)."""
         tok = self.tokenizer
-        if self.jinja is not None:
-            import jinja2
+        limit = capacity if capacity is not None else 1 << 62
+        if self._process is None:
+            text = "".join(f"{_ROLES[m['role']]}: {m['content']}\n\n" for m in messages) + "Assistant:"
+            return [tok.special.eos] + encode_prompt(tok.backend, text, limit), (SIMPLE_STOP,)
+        variables = {**self.special_tokens, "messages": messages, "add_generation_prompt": True,
+                     "bos_token": tok.backend.id_to_token(tok.special.bos),
+                     "eos_token": tok.backend.id_to_token(tok.special.eos)}
+        try:
+            text = self._process.render(variables)
+        except RenderError as exc:
+            if exc.kind == "refused":
+                raise ChatTemplateError(f"the chat template refused these messages: {exc.message}", True) from None
+            raise ChatTemplateError(f"{self.where}: the chat template failed ({exc.kind}): {exc.message}",
+                                    False) from None
+        return encode_prompt(self._specials_backend, text, limit), ()
 
-            env = jinja2.Environment(autoescape=False, trim_blocks=True, lstrip_blocks=True)
-            text = env.from_string(self.jinja).render(
-                messages=messages, add_generation_prompt=True, bos_token=tok.backend.id_to_token(tok.special.bos),
-                eos_token=tok.backend.id_to_token(tok.special.eos))
-            # the template spells special tokens as text: encode them as the special ids they are
-            tok.backend.encode_special_tokens = False
-            try:
-                return tok.backend.encode(text, add_special_tokens=False).ids, ()
-            finally:
-                tok.backend.encode_special_tokens = True
-        text = "".join(f"{_ROLES[m['role']]}: {m['content']}\n\n" for m in messages) + "Assistant:"
-        return [tok.special.eos] + tok.encode(text), (SIMPLE_STOP,)
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.close()

@@ -1,12 +1,21 @@
 """``zaya serve``: the engine behind an OpenAI-compatible HTTP API (FastAPI + uvicorn).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with server-sent-event streaming that ends
-in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. The engine runs on one worker thread
-(``EngineWorker``), which steps it while any request is queued or running; handlers submit requests to it and
-await their progress, so many HTTP clients share each batched decode step (continuous batching). A request that
-is invalid gets a 4xx with an OpenAI-style error body before it reaches the engine; an error inside a step fails
-the requests of that step (500) and the server keeps serving. A client that disconnects mid-stream has its request
-aborted and its slot freed.
+in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. The engine runs on one thread (``zaya.serve.worker``);
+handlers submit requests to it and await their progress, so many HTTP clients share each batched decode step
+(continuous batching).
+
+What a client cannot do to the server or to other clients (docs/serving.md, "What is checked"):
+
+- every error is a 4xx with an OpenAI-style body before the request reaches the engine: a body over
+  ``max_body_bytes`` (413, refused while it is read), a field out of range (``zaya.serve.api``), a token id outside
+  the vocabulary (checked before anything decodes it), more than ``max_prompts`` prompts, a prompt longer than the
+  context; with an API key, a request without it (401);
+- tokenization, the chat template (in its sandboxed child process) and building a response run off the event loop,
+  so ``/health`` and the streams stay responsive;
+- a request the engine fails, fails alone (a 500 naming what failed); a client that goes away, streaming or not, has
+  its request aborted and its slot freed;
+- on SIGTERM / SIGINT, requests still running after ``shutdown_timeout`` seconds are cancelled and the server exits.
 """
 
 from __future__ import annotations
@@ -14,87 +23,29 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import queue
-import threading
+import sys
 import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
-from zaya.serve.api import APIError, ChatRequest, CompletionRequest, error_body
-from zaya.serve.chat import ChatTemplate
+from starlette.requests import Request as HTTPRequest
+
+from zaya.serve.api import APIError, ChatRequest, CompletionRequest, describe_validation_error, error_body
+from zaya.serve.gate import Gate, exposure_warning
+from zaya.serve.chat import ChatTemplate, ChatTemplateError
 from zaya.serve.engine import ContextLengthError, Engine
+from zaya.serve.limits import ServeLimits
+from zaya.serve.prompt import encode_prompt
 from zaya.serve.request import Request
 from zaya.serve.sampling import SamplingParams
+from zaya.serve.worker import EngineWorker
 
 log = logging.getLogger("zaya.serve")
 
-
-class EngineWorker:
-    """Owns the engine on a daemon thread. ``submit(request, notify)`` queues a checked request; ``notify()`` is
-    called on the worker thread after every step that changed it (and once when it finishes)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._notify: dict[int, Callable[[], None]] = {}
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="zaya-engine", daemon=True)
-        self._thread.start()
-
-    def submit(self, request: Request, notify: Callable[[], None]) -> None:
-        self._inbox.put(("submit", request, notify))
-        self._wake.set()
-
-    def abort(self, request: Request) -> None:
-        self._inbox.put(("abort", request, None))
-        self._wake.set()
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        engine = self.engine
-        while not self._stop:
-            while True:
-                try:
-                    kind, request, notify = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if kind == "submit":
-                    try:
-                        engine.submit(request)
-                        self._notify[request.id] = notify
-                    except ValueError as exc:  # checked by the handler already; kept for safety
-                        request.finish_reason = "error"
-                        request.text = str(exc)
-                        notify()
-                else:
-                    engine.abort(request)
-                    self._notify.pop(request.id, None)
-            if not engine.busy:
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            try:
-                changed = engine.step()
-            except Exception:  # noqa: BLE001 - a bug in a step must not take the server down
-                log.error("engine step failed:\n%s", traceback.format_exc())
-                changed = []
-                for active in list(engine.slots):
-                    if active is not None:
-                        engine.abort(active.request)
-                        active.request.finish_reason = "error"
-                        changed.append(active.request)
-            for request in changed:
-                notify = self._notify.get(request.id)
-                if notify is not None:
-                    notify()
-                if request.finished:
-                    self._notify.pop(request.id, None)
+DISCONNECT_POLL_S = 0.25
+"""How often a non-streaming handler asks whether its client is still there."""
 
 
 class _Tracked:
@@ -108,60 +59,84 @@ class _Tracked:
     def notify(self) -> None:
         self._loop.call_soon_threadsafe(self.changed.set)
 
-    async def wait(self) -> None:
-        await self.changed.wait()
+    async def wait(self, timeout: float | None = None) -> bool:
+        """Wait for progress; False when ``timeout`` passed first."""
+        try:
+            await asyncio.wait_for(self.changed.wait(), timeout)
+        except TimeoutError:
+            return False
         self.changed.clear()
+        return True
 
 
-def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template: ChatTemplate | None = None):
+def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template: ChatTemplate | None = None,
+              limits: ServeLimits | None = None):
     """The FastAPI application serving ``engine`` (its worker starts with the app and stops with it)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    template = chat_template or ChatTemplate.for_tokenizer(tokenizer)
+    class ASCIIJSONResponse(JSONResponse):
+        """JSON with non-ASCII characters escaped: a string a client sent (an unknown field's name with a lone
+        surrogate) is echoed in an error without failing to encode."""
+
+        def render(self, content) -> bytes:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+    limits = limits or ServeLimits()
+    template = chat_template or ChatTemplate.for_tokenizer(tokenizer, timeout=limits.template_timeout,
+                                                           max_chars=limits.template_chars)
     eos = engine.model.config.eos_token_id
     state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app):
         state["worker"] = EngineWorker(engine)
+        state["templates"] = ThreadPoolExecutor(1, thread_name_prefix="zaya-template")
         try:
             yield
         finally:
+            state.pop("templates").shutdown(wait=False, cancel_futures=True)
             state.pop("worker").close()
+            template.close()
 
-    app = FastAPI(title="zaya", lifespan=lifespan)
+    class GatedFastAPI(FastAPI):
+        """FastAPI behind ``Gate`` (the API key, the declared body size), outside all of its own middleware."""
+
+        def build_middleware_stack(self):
+            return Gate(super().build_middleware_stack(), limits.api_key, limits.max_body_bytes)
+
+    app = GatedFastAPI(title="zaya", lifespan=lifespan, max_body_size=limits.max_body_bytes,
+                       default_response_class=ASCIIJSONResponse)
+
+    def error(status: int, body: dict):
+        return ASCIIJSONResponse(body, status_code=status)
 
     @app.exception_handler(APIError)
     async def _api_error(_, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error(exc.status, exc.body())
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        kind = first.get("type", "")
-        if kind == "json_invalid":
-            message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})"
-        elif kind == "extra_forbidden":
-            message = f"unknown field {'.'.join(loc)!r}"
-        else:
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-        return JSONResponse(error_body(message, param=".".join(loc) or None, code=kind or None), status_code=400)
+        message, param, code = describe_validation_error(list(exc.errors()))
+        return error(400, error_body(message, param=param, code=code))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail), type="invalid_request_error"), status_code=exc.status_code)
+        if exc.status_code == 413:
+            return error(413, error_body(f"the request body is larger than this server takes "
+                                         f"({limits.max_body_bytes} bytes, --max-body-bytes)",
+                                         code="request_too_large"))
+        return error(exc.status_code, error_body(str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def _internal(_, exc: Exception):
         log.error("request failed:\n%s", traceback.format_exc())
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
-                            status_code=500)
+        return error(500, error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
     @app.get("/health")
     async def health():
@@ -180,9 +155,8 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
     def make_request(body, prompt: list[int], max_tokens: int, stops: tuple[str, ...], logprobs: int | None,
                      prompt_logprobs: bool) -> Request:
         try:
-            sampling = SamplingParams(temperature=float(body.temperature), top_k=body.top_k or None,
-                                      top_p=float(body.top_p), repetition_penalty=float(body.repetition_penalty),
-                                      seed=body.seed)
+            sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k or None, top_p=body.top_p,
+                                      repetition_penalty=body.repetition_penalty, seed=body.seed)
             request = Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=stops,
                               eos_token_id=eos, ignore_eos=body.ignore_eos, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs)
@@ -194,24 +168,35 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
             raise APIError(400, str(exc)) from None
         return request
 
-    async def run(requests: list[Request]) -> list[Request]:
+    async def run(requests: list[Request], http: HTTPRequest) -> None:
+        """Submit ``requests`` and wait until all have finished; aborted when the client goes away."""
         loop = asyncio.get_running_loop()
         tracked = [_Tracked(r, loop) for r in requests]
         try:
             for t in tracked:
                 state["worker"].submit(t.request, t.notify)
+            checked = time.monotonic()
             for t in tracked:
                 while not t.request.finished:
-                    await t.wait()
-        except asyncio.CancelledError:
+                    await t.wait(DISCONNECT_POLL_S)
+                    if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                        checked = time.monotonic()
+                        if await http.is_disconnected():
+                            raise APIError(499, "the client closed the connection", code="client_closed")
+        finally:
             for t in tracked:
                 if not t.request.finished:
                     state["worker"].abort(t.request)
-            raise
         for r in requests:
-            if r.finish_reason == "error":
-                raise APIError(500, "the engine failed while running this request", type="server_error")
-        return requests
+            check_finished(r)
+
+    def check_finished(r: Request) -> None:
+        if r.finish_reason == "error":
+            raise APIError(500, f"the engine failed on this request: {r.error}", type="server_error",
+                           code="engine_error")
+        if r.finish_reason == "abort":
+            raise APIError(503, f"the request was stopped: {r.error or 'aborted'}", type="server_error",
+                           code="aborted")
 
     async def stream(request: Request, chunk: Callable[[Request, int, int, bool], dict],
                      include_usage: bool, usage_chunk: Callable[[Request], dict]) -> AsyncIterator[str]:
@@ -224,8 +209,10 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                 await t.wait()
                 done = request.finished
                 text_end, token_end = len(request.text), len(request.output)
-                if request.finish_reason == "error":
-                    yield f"data: {json.dumps(error_body('the engine failed', type='server_error'))}\n\n"
+                if request.finish_reason in ("error", "abort"):
+                    kind = "the engine failed on this request" if request.finish_reason == "error" else "stopped"
+                    body = error_body(f"{kind}: {request.error}", type="server_error")
+                    yield f"data: {json.dumps(body)}\n\n"
                     break
                 if text_end > sent_text or done:
                     yield f"data: {json.dumps(chunk(request, sent_text, sent_tokens, done))}\n\n"
@@ -274,9 +261,9 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     # ------------------------------------------------------------------------------------------- completions
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        check_model(body.model)
+    def completion_requests(body: CompletionRequest) -> tuple[list[Request], list[str]]:
+        """The engine requests of a completions body and the prompts' texts (in the thread pool: tokenizing a
+        long prompt takes a while). Token ids are checked against the vocabulary before anything decodes them."""
         p = body.prompt
         if isinstance(p, str):
             prompts = [p]
@@ -286,13 +273,43 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
             prompts = list(p)
         if not prompts:
             raise APIError(400, "prompt: give at least one prompt", param="prompt")
-        ids = [tokenizer.encode(x) if isinstance(x, str) else x for x in prompts]
-        texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in prompts]
+        if len(prompts) > limits.max_prompts:
+            raise APIError(400, f"prompt: {len(prompts)} prompts in one request; this server takes at most "
+                                f"{limits.max_prompts} (--max-prompts): send them in several requests",
+                           param="prompt", code="too_many_prompts")
+        for x in prompts:
+            if not isinstance(x, str) and x and not (0 <= min(x) and max(x) < engine.vocab_size):
+                bad = next(t for t in x if not 0 <= t < engine.vocab_size)
+                raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {engine.vocab_size})",
+                               param="prompt", code="invalid_token_id")
+        try:
+            ids = [encode_prompt(tokenizer.backend, x, engine.capacity) if isinstance(x, str) else x
+                   for x in prompts]
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), param="prompt", code="context_length_exceeded") from None
         for x in ids:
             if not x:
                 raise APIError(400, "prompt: a prompt has no tokens", param="prompt")
         want_prompt_lp = body.echo and body.logprobs is not None
-        requests = [make_request(body, x, body.max_tokens, body.stops(), body.logprobs, want_prompt_lp) for x in ids]
+        requests = [make_request(body, x, body.max_tokens, body.stops(), body.logprobs, want_prompt_lp)
+                    for x in ids]
+        texts = [x if isinstance(x, str) else tokenizer.decode(x) for x in prompts] if body.echo else []
+        return requests, texts
+
+    def completion_response(body: CompletionRequest, requests: list[Request], texts: list[str], rid: str,
+                            created: int) -> dict:
+        choices = []
+        for i, r in enumerate(requests):
+            out = (texts[i] if body.echo else "") + r.text
+            lp = completion_logprobs(r, body.echo) if body.logprobs is not None else None
+            choices.append({"index": i, "text": out, "logprobs": lp, "finish_reason": r.finish_reason})
+        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                "choices": choices, "usage": usage(requests)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        check_model(body.model)
+        requests, texts = await run_in_threadpool(completion_requests, body)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             if len(requests) != 1:
@@ -314,35 +331,51 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                                      "finish_reason": r.finish_reason if done else None}]}
 
             return streaming(r, chunk, body, rid, created, "text_completion")
-        await run(requests)
-        choices = []
-        for i, (r, text) in enumerate(zip(requests, texts)):
-            out = (text if body.echo else "") + r.text
-            lp = None
-            if body.logprobs is not None:
-                lp = completion_logprobs(r, body.echo)
-            choices.append({"index": i, "text": out, "logprobs": lp, "finish_reason": r.finish_reason})
-        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": choices, "usage": usage(requests)}
+        await run(requests, http)
+        return await run_in_threadpool(completion_response, body, requests, texts, rid, created)
 
     # ------------------------------------------------------------------------------------------- chat
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
-        check_model(body.model)
-        ids, template_stops = template.render([m.model_dump(exclude_none=True) for m in body.messages])
+    def render_chat(body: ChatRequest) -> tuple[list[int], tuple[str, ...]]:
+        try:
+            return template.render([m.model_dump(exclude_none=True) for m in body.messages], engine.capacity)
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
+        except ChatTemplateError as exc:
+            if exc.client_error:
+                raise APIError(400, str(exc), param="messages", code="chat_template_refused") from None
+            raise APIError(500, str(exc), type="server_error", code="chat_template_failed") from None
+
+    def chat_request(body: ChatRequest, ids: list[int], template_stops: tuple[str, ...]) -> Request:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:
             max_tokens = max(0, min(512, engine.capacity - len(ids)))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        r = make_request(body, ids, max_tokens, body.stops() + template_stops, logprobs, False)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        return make_request(body, ids, max_tokens, body.stops() + template_stops, logprobs, False)
 
-        def content_logprobs(r: Request, start: int) -> dict:
-            return {"content": [{"token": token_text(lp.token), "logprob": lp.logprob,
-                                 "bytes": list(token_text(lp.token).encode()),
-                                 "top_logprobs": [{"token": token_text(t), "logprob": v,
-                                                   "bytes": list(token_text(t).encode())} for t, v in lp.top]}
-                                for lp in r.output_logprobs[start:]]}
+    def content_logprobs(r: Request, start: int) -> dict:
+        return {"content": [{"token": token_text(lp.token), "logprob": lp.logprob,
+                             "bytes": list(token_text(lp.token).encode()),
+                             "top_logprobs": [{"token": token_text(t), "logprob": v,
+                                               "bytes": list(token_text(t).encode())} for t, v in lp.top]}
+                            for lp in r.output_logprobs[start:]]}
+
+    def chat_response(body: ChatRequest, r: Request, rid: str, created: int) -> dict:
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                             "logprobs": content_logprobs(r, 0) if body.logprobs else None,
+                             "finish_reason": r.finish_reason}],
+                "usage": usage([r])}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, http: HTTPRequest):
+        check_model(body.model)
+        if template.jinja is not None:  # its own thread: a slow template delays no tokenization
+            ids, template_stops = await asyncio.get_running_loop().run_in_executor(state["templates"],
+                                                                                   render_chat, body)
+        else:
+            ids, template_stops = await run_in_threadpool(render_chat, body)
+        r = await run_in_threadpool(chat_request, body, ids, template_stops)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         if body.stream:
             def chunk(r: Request, sent_text: int, sent_tokens: int, done: bool) -> dict:
@@ -355,21 +388,24 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                                      "finish_reason": r.finish_reason if done else None}]}
 
             return streaming(r, chunk, body, rid, created, "chat.completion.chunk")
-        await run([r])
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                             "logprobs": content_logprobs(r, 0) if body.logprobs else None,
-                             "finish_reason": r.finish_reason}],
-                "usage": usage([r])}
+        await run([r], http)
+        return await run_in_threadpool(chat_response, body, r, rid, created)
 
     return app
 
 
 def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_name: str = "zaya",
-          num_slots: int = 16, capacity: int | None = None, prefill_chunk: int = 512) -> None:
-    """Run the server until interrupted (uvicorn)."""
+          num_slots: int = 16, capacity: int | None = None, prefill_chunk: int = 512,
+          limits: ServeLimits | None = None) -> None:
+    """Run the server until SIGTERM / SIGINT (uvicorn); requests still running ``limits.shutdown_timeout``
+    seconds after the signal are cancelled."""
     import uvicorn
 
+    limits = limits or ServeLimits()
+    warning = exposure_warning(host, limits.api_key)
+    if warning:
+        print(f"# warning: {warning}", file=sys.stderr)
     engine = Engine(model, num_slots=num_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                     decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    uvicorn.run(build_app(engine, tokenizer, model_name), host=host, port=port, log_level="info")
+    uvicorn.run(build_app(engine, tokenizer, model_name, limits=limits), host=host, port=port, log_level="info",
+                timeout_graceful_shutdown=limits.shutdown_timeout)
