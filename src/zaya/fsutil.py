@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,10 +29,30 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def umask() -> int:
+    """The process's umask, read without changing it where the platform allows (Linux's /proc/self/status): setting
+    it to read it back would briefly give files that another thread creates meanwhile the wrong mode."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def normal_mode(path: Path, mask: int) -> None:
+    """Give ``path`` the mode a plain ``open`` / ``mkdir`` would have: 0666 (0777 for a directory, or a file with an
+    execute bit) less the umask ``mask``. Temporary-file helpers (``tempfile``, the safetensors writer) make theirs
+    0600 / 0700, which must not outlive the rename into place."""
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        return
+    full = 0o777 if stat.S_ISDIR(mode) or mode & 0o111 else 0o666
+    os.chmod(path, full & ~mask)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
@@ -40,7 +61,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -97,8 +118,10 @@ def restore_aside(dst: str | Path) -> None:
 def atomic_directory(dst: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that replaces ``dst`` only if the block finishes without an exception.
 
-    Files written inside are fsynced before the rename. ``dst`` existing is an error unless ``overwrite``; then the
-    old directory is swapped out (renamed aside) and deleted only after the new one is in place.
+    Files written inside are fsynced before the rename, and every file and directory gets the mode a plain
+    ``open`` / ``mkdir`` would give it (``normal_mode``), whatever wrote it. ``dst`` existing is an error unless
+    ``overwrite``; then the old directory is swapped out (renamed aside) and deleted only after the new one is in
+    place.
     """
     dst = Path(dst)
     if dst.exists() and not overwrite:
@@ -110,11 +133,13 @@ def atomic_directory(dst: str | Path, overwrite: bool = False) -> Iterator[Path]
         parent = parent.parent
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result should look like any new directory
+    mask = umask()
+    normal_mode(tmp, mask)  # mkdtemp makes it private; the result should look like any new directory
     ok = False
     try:
         yield tmp
         for f in tmp.rglob("*"):
+            normal_mode(f, mask)
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
