@@ -23,16 +23,20 @@ from zaya.model.io import load_directory as load_pretrained
 STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, shakespeare_dataset) -> Path:
+def train_micro_run(root: Path, dataset: Path, steps: int, *overrides: str) -> Path:
+    """Train the micro config for ``steps`` steps (no evaluation, no samples) into ``root``/run; the run directory."""
     from zaya.config import load_config
     from zaya.train.trainer import train
 
-    root = tmp_path_factory.mktemp("export")
     cfg = root / "micro.toml"
-    cfg.write_text(MICRO_CONFIG.format(dataset=shakespeare_dataset, run_dir=root / "run"))
-    train(load_config(cfg, [f"train.max_steps={STEPS}", "train.eval_every=0", "train.sample_tokens=0"]))
+    cfg.write_text(MICRO_CONFIG.format(dataset=dataset, run_dir=root / "run"))
+    train(load_config(cfg, [f"train.max_steps={steps}", "train.eval_every=0", "train.sample_tokens=0", *overrides]))
     return root / "run"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, shakespeare_dataset) -> Path:
+    return train_micro_run(tmp_path_factory.mktemp("export"), shakespeare_dataset, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,7 @@ def leftovers(parent: Path) -> list[str]:
 def test_export_of_a_run_is_bit_exact(tmp_path, capsys, run, trained, args, files, load):
     out = tmp_path / "exported"
     assert main(["export", "--checkpoint", str(run), "--to", str(out), *args]) == 0
-    assert {p.name for p in out.iterdir()} == files | {"tokenizer.json"}
+    assert {p.name for p in out.iterdir()} == files | {"tokenizer.json", "SHA256SUMS"}
     assert (out / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
     assert_same_tensors(load(out), trained)
     assert leftovers(tmp_path) == []
@@ -212,7 +216,7 @@ def test_convert_from_a_run_uses_the_same_export(tmp_path, capsys, run, trained)
     out = tmp_path / "zaya"
     assert main(["convert", "--to", "zaya", "--src", str(run), "--dst", str(out)]) == 0
     assert f"wrote {out}" in capsys.readouterr().out
-    assert {p.name for p in out.iterdir()} == {"zaya.json", "model.safetensors", "tokenizer.json"}
+    assert {p.name for p in out.iterdir()} == {"zaya.json", "model.safetensors", "tokenizer.json", "SHA256SUMS"}
     assert_same_tensors(load_pretrained(out), trained)
 
 

@@ -421,7 +421,7 @@ def test_convert_refuses_existing_destination(tmp_path, hf_dir):
     assert [p.name for p in dst.iterdir()] == ["keep.txt"] and (dst / "keep.txt").read_text() == "precious"
     assert no_temp_dirs(tmp_path)
     convert(hf_dir, dst, to="zaya", overwrite=True)
-    assert sorted(p.name for p in dst.iterdir()) == ["model.safetensors", "zaya.json"]
+    assert sorted(p.name for p in dst.iterdir()) == ["SHA256SUMS", "model.safetensors", "zaya.json"]
     assert no_temp_dirs(tmp_path)
 
 

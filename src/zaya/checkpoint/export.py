@@ -10,10 +10,12 @@ layouts (both hold the weights as safetensors; they differ in names and metadata
 - ``safetensors``: zaya's own checkpoint directory, zaya.json + model.safetensors (``zaya.model.io``).
 
 The tokenizer.json found with the source (``consolidate.find_tokenizer``) is copied along, so ``zaya generate`` and
-``zaya eval`` take the export as it is. Everything, the tokenizer included, is written into a temporary sibling
-directory that is renamed into place only when complete (``zaya.fsutil.atomic_directory``): an interrupted export
-leaves no half-written destination, and with ``overwrite`` an existing one is replaced only once the new one is
-complete. A non-empty destination is refused without ``overwrite``, and one that is (or holds) the source always.
+``zaya eval`` take the export as it is; ``SHA256SUMS`` (``zaya.model.checksums``) is written last, listing every
+file, and every later load of the export checks it. Everything is written into a temporary sibling directory that is
+renamed into place only when complete (``zaya.fsutil.atomic_directory``, which also gives the files and directory
+the modes a plain ``open`` would, 0644 / 0755 under the usual umask): an interrupted export leaves no half-written
+destination, and with ``overwrite`` an existing one is replaced only once the new one is complete. A non-empty
+destination is refused without ``overwrite``, and one that is (or holds) the source always.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: st
     """
     from zaya.checkpoint.consolidate import TOKENIZER, describe, load_for_inference
     from zaya.fsutil import atomic_directory
+    from zaya.model.checksums import write_checksums
     from zaya.model.hf import write_hf
     from zaya.model.io import write_checkpoint
 
@@ -60,6 +63,7 @@ def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: st
         (write_hf if format == "hf" else write_checkpoint)(model, tmp)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER)
+        write_checksums(tmp)
     if log is not None:
         params = list(model.parameters())
         dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))

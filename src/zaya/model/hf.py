@@ -11,6 +11,11 @@ Differences handled here:
   ``transformers`` ignores. Importing a checkpoint without it starts the moments at zero;
 - the original config.json (and generation_config.json, when there is one) is kept with the model, so converting
   HF -> zaya -> HF gives back the same files and bit-identical tensors.
+
+Reading a directory checks, before any tensor is used: its ``SHA256SUMS`` (``zaya.model.checksums``; written by
+``save_hf`` and ``zaya export``, absent from other sources), a sharded index against its shards' headers (every tensor
+in the shard the index names), and each tensor as ``zaya.model.io`` reads it. Every failure is a ``CheckpointError``
+naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from safetensors import safe_open
-
 from zaya.config import ConfigError, ModelConfig, model_config_from_dict, to_dict
-from zaya.model.io import atomic_directory, build_from_state_dict, expected_shapes, read_safetensors
+from zaya.errors import CheckpointError
+from zaya.model.checksums import check_listed, verify_checksums, write_checksums
+from zaya.model.io import (DAMAGED, atomic_directory, build_from_state_dict, expected_shapes, read_json_object,
+                           read_safetensors, safetensors_header)
 from zaya.model.router import BALANCING_STATE
 from zaya.model.zaya import ZayaForCausalLM
 
@@ -81,6 +87,7 @@ _FROM_HF = {hf: ours for ours, hf in _RENAMES}
 MAX_SHARD_BYTES = 5 * 1024**3
 EXTRAS_FILE = "zaya_extras.safetensors"
 GENERATION_CONFIG = "generation_config.json"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def zaya_to_hf_name(name: str) -> str | None:
@@ -247,65 +254,107 @@ def zaya_state_dict_from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
         if name == "lm_head.weight" and cfg.tie_embeddings:
             embed = tensors.get("model.embed_tokens.weight")
             if embed is not None and not torch.equal(embed, tensor):
-                raise ValueError(f"{source}: lm_head.weight differs from model.embed_tokens.weight although "
-                                 "tie_word_embeddings is true")
+                raise CheckpointError(f"{source}: lm_head.weight differs from model.embed_tokens.weight although "
+                                      "tie_word_embeddings is true; " + DAMAGED)
             continue
         try:
             state[hf_to_zaya_name(name)] = tensor
         except KeyError:
-            raise ValueError(f"{source}: unexpected tensor {name!r}; it has no place in the zaya layout") from None
+            raise CheckpointError(f"{source}: unexpected tensor {name!r}; it has no place in the zaya layout (not a "
+                                  "zaya model, or config.json does not belong to these weights)") from None
     # zaya-only router state (the balancing rule's memory) is not in this layout: build_from_state_dict starts it
     # afresh, from the imported biases.
     return state
 
 
 def hf_weight_files(directory: Path) -> list[Path]:
-    """The safetensors files of a HF checkpoint directory, sharded (index json) or single."""
-    index = directory / "model.safetensors.index.json"
+    """The safetensors files of a HF checkpoint directory, sharded (index json) or single. An index that does not
+    parse, names a file outside the directory or a missing shard, is a ``CheckpointError``."""
+    index = directory / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = _weight_map(index)
         files = sorted({directory / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
-                raise FileNotFoundError(f"{index} lists {f.name}, which is missing")
+                raise CheckpointError(f"{index} lists {f.name}, which is missing: the download or copy is "
+                                      "incomplete: export it again (or download it again)")
         return files
     single = directory / "model.safetensors"
     if single.is_file():
         return [single]
-    raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json (only safetensors "
-                            "checkpoints are supported; re-save with safe_serialization=True)")
+    raise CheckpointError(f"{directory}: no model.safetensors or {INDEX_FILE} (only safetensors checkpoints are "
+                          "supported; re-save with safe_serialization=True)")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) and v.endswith(".safetensors") and "/" not in v
+            and "\\" not in v for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: its weight_map is not a mapping of tensor names to safetensors files of "
+                              f"this directory; {DAMAGED}")
+    return weight_map
+
+
+def check_index(directory: Path, files: list[Path]) -> None:
+    """A sharded checkpoint's shards hold exactly the tensors its index says they do (read from their headers)."""
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        return
+    weight_map = _weight_map(index)
+    for file in files:
+        names, _ = safetensors_header(file)
+        for name in names:
+            if weight_map.get(name) != file.name:
+                where = f"in {weight_map[name]}" if name in weight_map else "nowhere"
+                raise CheckpointError(f"{file}: holds tensor {name!r}, which {index.name} says is {where}; the "
+                                      f"index and the shards do not belong together: {DAMAGED}")
+        missing = sorted(n for n, f in weight_map.items() if f == file.name and n not in set(names))
+        if missing:
+            raise CheckpointError(f"{file}: lacks tensor {missing[0]!r}, which {index.name} says it holds; "
+                                  f"{DAMAGED}")
 
 
 def load_hf(directory: str | Path, dtype: torch.dtype | None = None) -> ZayaForCausalLM:
-    """Load a Hugging Face ``zaya`` checkpoint directory into a ZayaForCausalLM."""
+    """Load a Hugging Face ``zaya`` checkpoint directory into a ZayaForCausalLM, checking its checksum manifest
+    (when it has one) and its index against its shards first."""
     directory = Path(directory)
+    listed = verify_checksums(directory)
     config_path = directory / "config.json"
-    hf_cfg = json.loads(config_path.read_text())
+    hf_cfg = read_json_object(config_path)
     cfg = model_config_from_hf(hf_cfg, str(config_path))
+    files = hf_weight_files(directory)
     extras_path = directory / EXTRAS_FILE
+    generation = directory / GENERATION_CONFIG
+    index = directory / INDEX_FILE
+    check_listed(directory, listed, [config_path, *files,
+                                     *(f for f in (extras_path, generation, index) if f.is_file())])
+    check_index(directory, files)
     extras: dict[str, torch.Tensor] = {}
     if extras_path.is_file():
-        with safe_open(str(extras_path), framework="pt") as f:
-            meta = f.metadata() or {}
-            extras = {k: f.get_tensor(k) for k in f.keys()}
+        _, meta = safetensors_header(extras_path)
+        extras = read_safetensors([extras_path])
         if "zaya_model_config" in meta:
             # config.json owns every field it expresses; the side file supplies only zaya's own options.
-            merged = json.loads(meta["zaya_model_config"])
+            try:
+                merged = json.loads(meta["zaya_model_config"])
+            except ValueError as exc:
+                raise CheckpointError(f"{extras_path}: its zaya_model_config is not JSON ({exc}); {DAMAGED}") from None
+            if not isinstance(merged, dict):
+                raise CheckpointError(f"{extras_path}: its zaya_model_config is not a JSON object; {DAMAGED}")
             merged.update({k: v for k, v in to_dict(cfg).items() if k in _HF_OWNED_FIELDS})
             cfg = model_config_from_dict(merged, str(extras_path))
-    files = hf_weight_files(directory)
     source = str(files[0].parent / (files[0].name if len(files) == 1 else "model-*.safetensors"))
     tensors = read_safetensors(files)
     check_hf_tensors(tensors, cfg, source)
     state = zaya_state_dict_from_hf(tensors, cfg, source)
     for name, tensor in extras.items():
         if name not in state and name.rsplit(".", 1)[-1] not in BALANCING_STATE:
-            raise ValueError(f"{extras_path}: unexpected tensor {name!r}")
+            raise CheckpointError(f"{extras_path}: unexpected tensor {name!r}; {DAMAGED}")
         state[name] = tensor
     model = build_from_state_dict(cfg, state, source, dtype)
     model.hf_config = hf_cfg
-    generation = directory / GENERATION_CONFIG
-    model.hf_generation_config = json.loads(generation.read_text()) if generation.is_file() else None
+    model.hf_generation_config = read_json_object(generation) if generation.is_file() else None
     return model
 
 
@@ -318,12 +367,13 @@ def check_hf_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source:
             want[hf_name] = shape
     missing = [k for k in want if k not in tensors]
     if missing:
-        raise ValueError(f"{source}: tensor {missing[0]!r} is missing ({len(missing)} missing in all); does "
-                         "config.json match the weights?")
+        raise CheckpointError(f"{source}: tensor {missing[0]!r} is missing ({len(missing)} missing in all): "
+                              "config.json does not match the weights, or they are incomplete: export them again "
+                              "(or download them again)")
     for name, shape in want.items():
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)} but config.json "
-                             f"implies {shape}")
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)} but "
+                                  f"config.json implies {shape}; the config and the weights do not belong together")
 
 
 def _tensor_dtype_name(model: ZayaForCausalLM) -> torch.dtype:
@@ -332,9 +382,11 @@ def _tensor_dtype_name(model: ZayaForCausalLM) -> torch.dtype:
 
 def save_hf(model: ZayaForCausalLM, directory: str | Path, overwrite: bool = False,
             max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write ``model`` in the Hugging Face zaya layout (sharded above ``max_shard_bytes``), atomically."""
+    """Write ``model`` in the Hugging Face zaya layout (sharded above ``max_shard_bytes``), atomically, with its
+    checksum manifest."""
     with atomic_directory(directory, overwrite=overwrite) as tmp:
         write_hf(model, tmp, max_shard_bytes)
+        write_checksums(tmp)
     return Path(directory)
 
 
@@ -362,7 +414,7 @@ def write_hf(model: ZayaForCausalLM, directory: Path, max_shard_bytes: int = MAX
             weight_map.update({k: fname for k in shard})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation = getattr(model, "hf_generation_config", None)
     if generation is not None:

@@ -6,7 +6,13 @@ lossless) and ``model.safetensors`` holding every parameter and persistent buffe
 router's balancing biases and their moment estimates included).
 
 Every write goes to a temporary sibling directory that is renamed into place only when complete, so a crash never
-leaves a half-written checkpoint where a good one was.
+leaves a half-written checkpoint where a good one was, and ends with the directory's checksum manifest
+(``zaya.model.checksums``).
+
+Every read treats the files as untrusted data: the manifest is checked first (when there is one); safetensors are
+parsed by the ``safetensors`` library, whose refusals (a 0-byte, truncated or header-corrupt file, offsets that lie)
+become a ``CheckpointError`` naming the file and the fix, as do a tensor that is not float32/bfloat16/float16, one
+holding NaN or inf, a missing, extra or misshapen tensor, and a JSON file that does not parse.
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from zaya.config import ModelConfig, model_config_from_dict, to_dict
+from zaya.errors import CheckpointError
 from zaya.fsutil import atomic_directory
+from zaya.model.checksums import check_listed, verify_checksums, write_checksums
 from zaya.model.router import BALANCING_STATE, initial_balancing_state
 from zaya.model.zaya import ZayaForCausalLM
 
@@ -28,18 +36,79 @@ ZAYA_META = "zaya.json"
 ZAYA_WEIGHTS = "model.safetensors"
 FORMAT_TAG = "zaya-checkpoint"
 FORMAT_VERSION = 1
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes a zaya model's weights may have in a file (what ``zaya export --dtype`` writes)."""
+DAMAGED = "the file is damaged or incomplete: export it again (or download it again)"
+
+
+def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointError(f"{path} is missing; {DAMAGED}")
+    detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return CheckpointError(f"{path}: not a readable safetensors file ({detail}); {DAMAGED}")
+
+
+_READ_ERRORS = (SafetensorError, OSError, ValueError, TypeError, RuntimeError, OverflowError)
+"""What the safetensors library and torch raise on a file they cannot turn into tensors."""
+
+
+def check_weight(path: Path, name: str, tensor: torch.Tensor) -> None:
+    """Refuse a weight of a dtype a zaya model cannot hold, or one holding NaN or inf, naming file and tensor."""
+    if tensor.dtype not in WEIGHT_DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}; a zaya "
+                              "model's weights are float32, bfloat16 or float16: this is not a zaya model's weights "
+                              "file, or it is damaged: export it again (or download it again)")
+    if not torch.isfinite(tensor).all():
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise CheckpointError(f"{path}: tensor {name!r} holds {bad:,} non-finite values (NaN or inf) of "
+                              f"{tensor.numel():,}; such a model generates nothing useful: use an earlier, good "
+                              "checkpoint (or export again from one)")
 
 
 def read_safetensors(paths: list[Path]) -> dict[str, torch.Tensor]:
-    """Read every tensor of one or more safetensors files; a name present twice is an error."""
+    """Read every tensor of one or more safetensors files of model weights, each checked by ``check_weight``; a
+    name present twice, and any file the library cannot parse, is a ``CheckpointError`` naming the file."""
     tensors: dict[str, torch.Tensor] = {}
     for path in paths:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name in tensors:
-                    raise ValueError(f"{path}: tensor {name!r} also appears in an earlier shard")
-                tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    if name in tensors:
+                        raise CheckpointError(f"{path}: tensor {name!r} also appears in an earlier shard; {DAMAGED}")
+                    tensors[name] = f.get_tensor(name)
+                    check_weight(path, name, tensors[name])
+        except CheckpointError:
+            raise
+        except _READ_ERRORS as exc:
+            raise _unreadable(path, exc) from None
     return tensors
+
+
+def safetensors_header(path: Path) -> tuple[list[str], dict[str, str]]:
+    """(tensor names, metadata) of a safetensors file, from its header alone; unreadable: ``CheckpointError``."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys()), dict(f.metadata() or {})
+    except _READ_ERRORS as exc:
+        raise _unreadable(path, exc) from None
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of a model directory; one that cannot be read or parsed is a ``CheckpointError``."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; {DAMAGED}") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); {DAMAGED}") from None
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """``read_json`` of a file that must hold a JSON object."""
+    value = read_json(path)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object; {DAMAGED}")
+    return value
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -58,15 +127,17 @@ def build_from_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], sour
     state = _with_balancing_state(cfg, state, want)
     missing = [k for k in want if k not in state]
     if missing:
-        raise ValueError(f"{source}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
+        raise CheckpointError(f"{source}: tensor {missing[0]!r} is missing ({len(missing)} missing in all): the "
+                              "config and the weights do not belong together, or the weights are incomplete: export "
+                              "them again (or download them again)")
     unexpected = [k for k in state if k not in want]
     if unexpected:
-        raise ValueError(f"{source}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all); "
-                         "does the config match the weights?")
+        raise CheckpointError(f"{source}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in "
+                              "all); does the config match the weights?")
     for name, ref in want.items():
         if tuple(state[name].shape) != tuple(ref.shape):
-            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(state[name].shape)} but the config "
-                             f"implies {tuple(ref.shape)}")
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(state[name].shape)} but the config "
+                                  f"implies {tuple(ref.shape)}; the config and the weights do not belong together")
     if dtype is not None:
         state = {k: (v.float() if _keeps_fp32(k) else v.to(dtype)) if v.is_floating_point() else v
                  for k, v in state.items()}
@@ -97,9 +168,10 @@ def _keeps_fp32(name: str) -> bool:
 
 def save_checkpoint(model: ZayaForCausalLM, directory: str | Path, overwrite: bool = True,
                     hf_config: dict[str, Any] | None = None) -> Path:
-    """Write ``model`` as a zaya checkpoint directory (atomically)."""
+    """Write ``model`` as a zaya checkpoint directory (atomically, with its checksum manifest)."""
     with atomic_directory(directory, overwrite=overwrite) as tmp:
         write_checkpoint(model, tmp, hf_config)
+        write_checksums(tmp)
     return Path(directory)
 
 
@@ -124,23 +196,26 @@ def is_zaya_checkpoint(directory: str | Path) -> bool:
 
 def read_zaya_meta(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / ZAYA_META
-    meta = json.loads(path.read_text())
+    meta = read_json_object(path)
     if meta.get("format") != FORMAT_TAG:
-        raise ValueError(f"{path}: not a zaya checkpoint (format = {meta.get('format')!r})")
+        raise CheckpointError(f"{path}: not a zaya checkpoint (format = {meta.get('format')!r})")
     if meta.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format version {meta.get('version')} is not supported "
-                         f"(this zaya reads version {FORMAT_VERSION})")
+        raise CheckpointError(f"{path}: checkpoint format version {meta.get('version')!r} is not supported "
+                              f"(this zaya reads version {FORMAT_VERSION}): export it again with this zaya")
+    if not isinstance(meta.get("model"), dict):
+        raise CheckpointError(f"{path}: no model configuration (the 'model' object); {DAMAGED}")
     return meta
 
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype | None = None) -> ZayaForCausalLM:
-    """Load a zaya checkpoint directory written by ``save_checkpoint``."""
+    """Load a zaya checkpoint directory written by ``save_checkpoint`` (or ``zaya export --format safetensors``),
+    checking its checksum manifest first."""
     directory = Path(directory)
+    listed = verify_checksums(directory)
+    weights = directory / ZAYA_WEIGHTS
+    check_listed(directory, listed, [directory / ZAYA_META, weights])
     meta = read_zaya_meta(directory)
     cfg = model_config_from_dict(meta["model"], f"{directory / ZAYA_META} [model]")
-    weights = directory / ZAYA_WEIGHTS
-    if not weights.is_file():
-        raise FileNotFoundError(f"{weights} is missing")
     model = build_from_state_dict(cfg, read_safetensors([weights]), str(weights), dtype)
     model.hf_config = meta.get("hf_config")
     model.hf_generation_config = meta.get("hf_generation_config")
