@@ -4,10 +4,12 @@ __version__ = "0.1.0"
 
 
 def load_pretrained(path, dtype=None, device="cpu"):
-    """A ``ZayaForCausalLM`` in eval mode from a run directory (its newest complete checkpoint), a training
-    checkpoint (any world size), a zaya checkpoint or a Hugging Face ``zaya`` directory; the same loader as
-    ``zaya generate``/``eval``/``export`` (``zaya.checkpoint.consolidate.load_for_inference``). Tensors keep their
-    stored dtype unless ``dtype`` (a torch.dtype) is given."""
+    """A ``ZayaForCausalLM`` in eval mode from a run directory (its newest checkpoint that passes verification; each
+    newer one skipped is named on stderr), a training checkpoint (any world size), a zaya checkpoint or a Hugging
+    Face ``zaya`` directory; the same loader as ``zaya generate``/``eval``/``export``
+    (``zaya.checkpoint.consolidate.load_for_inference``). The files are read as data, never code, and checked (an
+    export's ``SHA256SUMS``, every tensor): anything wrong is a ``zaya.errors.CheckpointError`` naming the file.
+    Tensors keep their stored dtype unless ``dtype`` (a torch.dtype) is given."""
     from zaya.checkpoint.consolidate import load_for_inference
 
     return load_for_inference(path, device=device, dtype=dtype)[0]

@@ -22,7 +22,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 COMMIT = "COMMIT"
 META = "meta.json"
@@ -142,6 +142,39 @@ def checksum_problem(path: Path, names: list[str], records: dict[str, FileRecord
     return None
 
 
+def verification_problem(path: Path, checksums: bool = True, rank: int = 0, world_size: int = 1) -> str | None:
+    """Why ``path`` must not be loaded, or None: its marker and sizes, then (``checksums``) the checksums of this
+    rank's ``share_of_files`` (all of them in one process)."""
+    records = read_commit(path)
+    problem = size_problem(path, records)
+    if problem is None and checksums:
+        problem = checksum_problem(path, share_of_files(records, rank, world_size), records)
+    return problem
+
+
+def newest_loadable(candidates: list[Path], problem_of: Callable[[Path], str | None],
+                    skipped: Callable[[Path, str], None]) -> Path | None:
+    """The newest of ``candidates`` (oldest first) that ``problem_of`` finds nothing wrong with; every newer one is
+    handed to ``skipped(path, problem)`` before the next is tried. None when none passes. The one fallback rule,
+    shared by training's resume (``CheckpointStore.select``) and inference (``consolidate.resolve_checkpoint``)."""
+    for path in reversed(candidates):
+        problem = problem_of(path)
+        if problem is None:
+            return path
+        skipped(path, problem)
+    return None
+
+
+def unloadable(path: Path, problem: str):
+    """The ``CheckpointError`` for a checkpoint named explicitly that fails verification: no fallback (the user chose
+    it), but the newest other complete one is named."""
+    from zaya.checkpoint.errors import CheckpointError
+
+    others = [p for p in list_checkpoints(path.parent) if p != path]
+    hint = f"; the newest other complete one is {others[-1]}" if others else ""
+    return CheckpointError(f"{path}: cannot be loaded: {problem}{hint}")
+
+
 def share_of_files(records: dict[str, FileRecord], rank: int, world_size: int) -> list[str]:
     """This rank's share of the files to checksum: largest first, each to the least-loaded rank (deterministic)."""
     loads = [0] * world_size
@@ -173,4 +206,11 @@ def read_meta(path: Path) -> dict[str, Any]:
     problem = size_problem(path, read_commit(path))
     if problem is not None:
         raise CheckpointError(f"{path}: not a complete checkpoint ({problem}); it is never loaded")
-    return json.loads((path / META).read_text())
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path / META} cannot be read ({exc}); the checkpoint is damaged: use another "
+                              "one") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path / META} is not a JSON object; the checkpoint is damaged: use another one")
+    return meta

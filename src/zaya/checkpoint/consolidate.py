@@ -1,6 +1,13 @@
-"""Load a model for inference from whatever the user points at: a run directory, one training checkpoint, a zaya
-checkpoint directory, or a Hugging Face ``zaya`` directory. Used by ``zaya generate``, ``zaya eval`` and ``zaya
-export``. A training checkpoint must be complete and pass its checksums: a corrupt file is named, never loaded.
+"""Load a model for inference from whatever the user points at: a run directory (or its ``checkpoints/``), one
+training checkpoint, a zaya checkpoint directory, or a Hugging Face ``zaya`` directory. Used by ``zaya generate``,
+``zaya eval``, ``zaya serve``, ``zaya export`` and ``zaya.load_pretrained``.
+
+A training checkpoint must be complete and pass its checksums, and is read through the allow-list reader
+(``reader.py``: its files are data, never code). Given a run, the newest checkpoint that passes verification is
+loaded, as training's resume does (``commit.newest_loadable``); each newer one that fails is named on stderr with
+the reason, and left where it is: an inference command reads a run directory, it never changes it (training moves a
+failed checkpoint aside, as the run directory is its own). A training checkpoint named directly is loaded or refused,
+never swapped for another. The weights read are checked for NaN and inf, whatever the source.
 
 A training checkpoint (DCP, possibly written by many ranks) is read whole into one process: DCP reassembles the
 shards, whatever world size or parallel mode wrote them.
@@ -8,32 +15,55 @@ shards, whatever world size or parallel mode wrote them.
 
 from __future__ import annotations
 
-import json
-import warnings
+import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from zaya.checkpoint.commit import checksum_problem, is_complete, latest_checkpoint, read_commit, read_meta
+from zaya.checkpoint.commit import (COMMIT, STEP_DIR, is_complete, list_checkpoints, newest_loadable, read_meta,
+                                    unloadable, verification_problem)
 from zaya.checkpoint.errors import CheckpointError
+from zaya.checkpoint.reader import load_dcp
 from zaya.errors import ConfigError
 
 TOKENIZER = "tokenizer.json"
 
 
-def resolve_checkpoint(path: str | Path) -> tuple[str, Path]:
-    """(kind, directory): kind is "training" (a DCP step directory), "zaya" or "hf"."""
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = _stderr) -> tuple[str, Path]:
+    """(kind, directory): kind is "training" (a DCP step directory that passed verification), "zaya" or "hf".
+    A run directory (or its ``checkpoints/``) gives its newest checkpoint that passes verification; ``log`` hears
+    about each newer one skipped."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such checkpoint or run directory")
-    if (path / "checkpoints").is_dir():
-        newest = latest_checkpoint(path / "checkpoints")
-        if newest is None:
-            raise CheckpointError(f"{path}: the run has no complete checkpoint yet ({path / 'checkpoints'})")
-        return "training", newest
-    if (path / "COMMIT").exists() or (path / ".metadata").exists():
+    checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if checkpoints != path or (path.is_dir() and any(STEP_DIR.match(p.name) for p in path.iterdir())):
+        candidates = list_checkpoints(checkpoints)
+        if not candidates:
+            raise CheckpointError(f"{path}: the run has no complete checkpoint yet ({checkpoints})")
+        failures: list[str] = []
+
+        def skipped(step: Path, problem: str) -> None:
+            failures.append(f"{step.name}: {problem}")
+            if step != candidates[0]:  # the oldest one's failure ends in the error below
+                log(f"warning: skipping checkpoint {step}: it fails verification ({problem}); trying the previous "
+                    "one")
+
+        chosen = newest_loadable(candidates, verification_problem, skipped)
+        if chosen is None:
+            raise CheckpointError(f"{path}: no checkpoint of the run passes verification ({'; '.join(failures)})")
+        return "training", chosen
+    if (path / COMMIT).exists() or (path / ".metadata").exists():
         if not is_complete(path):
             raise CheckpointError(f"{path}: incomplete checkpoint (no valid COMMIT marker); not loaded")
+        problem = verification_problem(path)
+        if problem is not None:
+            raise unloadable(path, problem)
         return "training", path
     if (path / "zaya.json").is_file():
         return "zaya", path
@@ -50,34 +80,32 @@ def find_tokenizer(kind: str, directory: Path) -> Path | None:
     return next((c for c in candidates if c.is_file()), None)
 
 
-def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                       log: Callable[[str], None] = _stderr):
     """(model in eval mode, tokenizer path or None, the resolved directory): the one loader behind
-    ``zaya.load_pretrained``, ``zaya generate``, ``zaya eval`` and ``zaya export``.
+    ``zaya.load_pretrained``, ``zaya generate``, ``zaya eval``, ``zaya serve`` and ``zaya export``.
 
     Tensors keep their stored dtype unless ``dtype`` is given (the router's balancing state stays fp32). A training
     checkpoint is read into a model allocated without initialisation (built on the meta device), so nothing is
-    computed twice; its checksums are verified first.
+    computed twice; its checksums are verified first (``resolve_checkpoint``; ``log`` hears of a checkpoint skipped).
+    Anything wrong with the files is a ``CheckpointError`` naming the file and the fix.
     """
     from zaya.config import model_config_from_dict
     from zaya.model import ZayaForCausalLM
+    from zaya.model.io import check_weight
 
-    kind, directory = resolve_checkpoint(path)
+    kind, directory = resolve_checkpoint(path, log)
     if kind == "training":
-        import torch.distributed.checkpoint as dcp
-
-        records = read_commit(directory)  # complete (resolve_checkpoint checked): now the checksums too
-        problem = checksum_problem(directory, sorted(records), records)
-        if problem is not None:
-            raise CheckpointError(f"{directory}: cannot be loaded: {problem}")
         meta = read_meta(directory)
+        if not isinstance(meta.get("model_config"), dict):
+            raise CheckpointError(f"{directory}/meta.json has no model_config: not a checkpoint of a zaya model")
         with torch.device("meta"):
             model = ZayaForCausalLM(model_config_from_dict(meta["model_config"], f"{directory}/meta.json"))
         model.to_empty(device="cpu")
-        state = {"model": model.state_dict()}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, checkpoint_id=str(directory), no_dist=True)
-        model.load_state_dict(state["model"])
+        state = {f"model.{k}": v for k, v in model.state_dict().items()}
+        load_dcp(directory, state)
+        for key, tensor in state.items():
+            check_weight(directory, key, tensor)
         model.rope.reset_parameters()  # its frequency table is derived, not stored
         if dtype is not None:
             from zaya.model.io import build_from_state_dict
@@ -91,8 +119,8 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dty
 
 
 def describe(directory: Path) -> str:
-    meta_path = directory / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        return f"{directory} (step {meta['step']}, {meta['tokens']:,} tokens)"
-    return str(directory)
+    try:
+        meta = read_meta(directory)
+        return f"{directory} (step {int(meta['step'])}, {int(meta['tokens']):,} tokens)"
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return str(directory)
