@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import sys
+import threading
 import time
 import traceback
 import uuid
@@ -95,7 +96,7 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
 
     @asynccontextmanager
     async def lifespan(app):
-        state["worker"] = EngineWorker(engine)
+        state["worker"] = app.state.engine_worker = EngineWorker(engine)
         state["templates"] = ThreadPoolExecutor(1, thread_name_prefix="zaya-template")
         try:
             yield
@@ -397,8 +398,9 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
 def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_name: str = "zaya",
           num_slots: int = 16, capacity: int | None = None, prefill_chunk: int = 512,
           limits: ServeLimits | None = None) -> None:
-    """Run the server until SIGTERM / SIGINT (uvicorn); requests still running ``limits.shutdown_timeout``
-    seconds after the signal are cancelled."""
+    """Run the server until SIGTERM / SIGINT (uvicorn). The signal stops new connections; requests still running
+    ``limits.shutdown_timeout`` seconds later are stopped (a 503, or an error event ending the stream), and the
+    server exits. A second SIGINT exits at once."""
     import uvicorn
 
     limits = limits or ServeLimits()
@@ -407,5 +409,23 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_nam
         print(f"# warning: {warning}", file=sys.stderr)
     engine = Engine(model, num_slots=num_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                     decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    uvicorn.run(build_app(engine, tokenizer, model_name, limits=limits), host=host, port=port, log_level="info",
-                timeout_graceful_shutdown=limits.shutdown_timeout)
+    app = build_app(engine, tokenizer, model_name, limits=limits)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:  # the grace period, then the engine stops what still runs: every handler then returns
+                timer = threading.Timer(limits.shutdown_timeout, _stop_requests, args=(app,))
+                timer.daemon = True
+                timer.start()
+
+    # uvicorn's own timeout only backs ours up: it cancels the handlers (a traceback for each in the log)
+    Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                          timeout_graceful_shutdown=limits.shutdown_timeout + 5)).run()
+
+
+def _stop_requests(app) -> None:
+    worker = getattr(app.state, "engine_worker", None)
+    if worker is not None:
+        worker.stop_requests()

@@ -23,8 +23,8 @@ log = logging.getLogger("zaya.serve")
 
 class EngineWorker:
     """Owns ``engine`` on a daemon thread. ``submit(request, notify)`` queues a request (checked again by the
-    engine); ``abort(request)`` stops one; ``close()`` stops the thread and finishes every request it still held
-    with finish reason "abort"."""
+    engine); ``abort(request)`` stops one; ``stop_requests()`` finishes every request held with finish reason
+    "abort" and every later one at once (the server is stopping); ``close()`` also stops the thread."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -51,7 +51,14 @@ class EngineWorker:
         self._inbox.put(("abort", request, None))
         self._wake.set()
 
+    def stop_requests(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._inbox.put(("stop", None, None))
+        self._wake.set()
+
     def close(self, timeout: float = 5.0) -> None:
+        self.stop_requests()
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=timeout)
@@ -71,10 +78,13 @@ class EngineWorker:
             with self._lock:
                 self._closed = True
             self._drain()
-            for request, _ in list(self._taken.values()):
-                self.engine.abort(request)
-                _finish(request, "abort", "the server is stopping")
-            self._notify_finished()
+            self._abort_all()
+
+    def _abort_all(self) -> None:
+        for request, _ in list(self._taken.values()):
+            self.engine.abort(request)
+            _finish(request, "abort", "the server is stopping")
+        self._notify_finished()
 
     def _turn(self) -> None:
         self._drain()
@@ -98,6 +108,9 @@ class EngineWorker:
                 return
             if kind == "abort":
                 self.engine.abort(request)
+                continue
+            if kind == "stop":
+                self._abort_all()
                 continue
             self._taken[request.id] = (request, notify)
             if self._closed:

@@ -1,0 +1,95 @@
+"""``zaya serve`` as a process: SIGTERM and SIGINT stop it within a few seconds even while requests are running
+(uvicorn waited for them: a 4000-token generation, or a request hung by a bad seed, kept it up), and binding an
+address other machines reach without an API key prints a warning."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve_helpers import free_port, post_json, tiny_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(shakespeare_dataset, tmp_path_factory):
+    from zaya.model.io import save_checkpoint
+
+    d = tmp_path_factory.mktemp("serve-ckpt") / "tiny"
+    save_checkpoint(tiny_model(vocab_size=512, max_seq_len=4096), d)
+    shutil.copy(shakespeare_dataset / "tokenizer.json", d / "tokenizer.json")
+    return d
+
+
+def _start(checkpoint, tmp_path, *extra: str) -> tuple[subprocess.Popen, str, object]:
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    env = dict(os.environ, ZAYA_API_KEY="")
+    proc = subprocess.Popen([sys.executable, "-m", "zaya", "serve", "--checkpoint", str(checkpoint), "--port",
+                             str(port), "--slots", "2", "--device", "cpu", *extra],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+        assert time.time() < deadline, "zaya serve did not start"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url, log
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sig,host", [(signal.SIGTERM, "0.0.0.0"), (signal.SIGINT, "127.0.0.1")])
+def test_a_signal_stops_the_server_with_requests_in_flight(checkpoint, tmp_path, sig, host):
+    proc, url, log = _start(checkpoint, tmp_path, "--shutdown-timeout", "1", "--host", host)
+    try:
+        long = {"prompt": "ROMEO:", "max_tokens": 4000, "ignore_eos": True}
+        streamed = []
+
+        def stream():
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+                    for line in r.iter_lines():
+                        streamed.append(line)
+            except httpx.HTTPError:
+                pass
+
+        def plain():
+            try:
+                post_json(f"{url}/v1/completions", long, timeout=60)
+            except httpx.HTTPError:
+                pass
+
+        clients = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for c in clients:
+            c.start()
+        deadline = time.time() + 30
+        while len(streamed) < 20:
+            assert time.time() < deadline and proc.poll() is None, "the streaming request did not start"
+            time.sleep(0.05)
+        start = time.time()
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        took = time.time() - start
+        for c in clients:
+            c.join(10)
+            assert not c.is_alive()
+        log.seek(0)
+        output = log.read()
+        assert took < 6, f"{took:.1f} s to stop after {sig.name}\n{output}"
+        assert "Traceback" not in output, output
+        warned = f"warning: serving on {host}, which other machines can reach, without an API key" in output
+        assert warned == (host == "0.0.0.0"), output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
