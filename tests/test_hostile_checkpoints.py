@@ -460,3 +460,19 @@ def test_corrupt_json_files_are_checkpoint_errors(tmp_path, capsys, exports):
     own = copy_export(exports, "safetensors", tmp_path, manifest=False)
     (own / "zaya.json").write_text("[1, 2]")
     cli_refuses(capsys, own, "zaya.json holds a JSON list, not an object")
+
+
+@pytest.mark.parametrize("key, value, code, needle", [
+    ("num_hidden_layers", 10**9, 5, "the config says 1000000000 layers, the weights hold 2"),  # never built
+    ("rope_parameters", "default", 2, "rope_parameters = 'default' is not supported"),
+    ("rms_norm_eps", "tiny", 2, "rms_norm_eps = 'tiny' is not a number"),
+    ("layer_types", 7, 2, "layer_types = 7 is not supported"),
+    ("eos_token_id", [], 2, "eos_token_id = [] is not supported"),
+    ("tie_word_embeddings", "no", 2, "tie_word_embeddings = 'no' is not supported"),
+])
+def test_config_values_of_the_wrong_kind_are_named(tmp_path, capsys, exports, key, value, code, needle):
+    hf = copy_export(exports, "hf", tmp_path, manifest=False)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, key: value}))
+    assert main(["generate", "--checkpoint", str(hf), "--prompt", "JULIET:", "--max-new-tokens", "2"]) == code
+    assert needle in one_line_error(capsys)

@@ -24,7 +24,7 @@ import torch
 from zaya.checkpoint.commit import (COMMIT, STEP_DIR, is_complete, list_checkpoints, newest_loadable, read_meta,
                                     unloadable, verification_problem)
 from zaya.checkpoint.errors import CheckpointError
-from zaya.checkpoint.reader import load_dcp
+from zaya.checkpoint.reader import AllowListReader, check_entries, load_dcp
 from zaya.errors import ConfigError
 
 TOKENIZER = "tokenizer.json"
@@ -92,18 +92,28 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dty
     """
     from zaya.config import model_config_from_dict
     from zaya.model import ZayaForCausalLM
-    from zaya.model.io import check_weight
+    from zaya.model.io import check_layer_count, check_weight
 
     kind, directory = resolve_checkpoint(path, log)
     if kind == "training":
         meta = read_meta(directory)
         if not isinstance(meta.get("model_config"), dict):
             raise CheckpointError(f"{directory}/meta.json has no model_config: not a checkpoint of a zaya model")
+        config = model_config_from_dict(meta["model_config"], f"{directory}/meta.json")
+        reader = AllowListReader(directory)
+        metadata = reader.read_metadata()
+        check_layer_count(config, metadata.state_dict_metadata, str(directory))  # before building that many
         with torch.device("meta"):
-            model = ZayaForCausalLM(model_config_from_dict(meta["model_config"], f"{directory}/meta.json"))
-        model.to_empty(device="cpu")
+            model = ZayaForCausalLM(config)
+        check_entries(directory, metadata, {f"model.{k}": v for k, v in model.state_dict().items()})
+        try:
+            model.to_empty(device="cpu")
+        except (RuntimeError, MemoryError) as exc:
+            params = sum(p.numel() for p in model.parameters())
+            raise CheckpointError(f"{directory}: its model ({params:,} parameters) cannot be allocated here "
+                                  f"({type(exc).__name__}); load it on a machine with more memory") from None
         state = {f"model.{k}": v for k, v in model.state_dict().items()}
-        load_dcp(directory, state)
+        load_dcp(directory, state, reader=reader)
         for key, tensor in state.items():
             check_weight(directory, key, tensor)
         model.rope.reset_parameters()  # its frequency table is derived, not stored

@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import reprlib
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -59,6 +60,15 @@ _GLOBALS.update({(module, c.__name__): c for c in _CLASSES if c.__module__.start
 _GLOBALS.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 160
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for messages: a crafted file may hold a gigabyte string or a deeply nested list."""
+    return _REPR.repr(value)
+
+
 class _MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 - the only unpickler whose opcodes can be overridden
     """Unpickles a DCP metadata and nothing else (see the module docstring)."""
 
@@ -78,18 +88,18 @@ class _MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 - the only unpickle
 
     def _load_reduce(self) -> None:
         if not any(self.stack[-2] is c for c in _CALLABLES):
-            raise pickle.UnpicklingError(f"it calls {self.stack[-2]!r}, which no checkpoint metadata calls")
+            raise pickle.UnpicklingError(f"it calls {_short(self.stack[-2])}, which no checkpoint metadata calls")
         pickle._Unpickler.load_reduce(self)  # noqa: SLF001
 
     def _load_newobj(self) -> None:
         if not any(self.stack[-2] is c for c in _CLASSES):
-            raise pickle.UnpicklingError(f"it creates {self.stack[-2]!r}, which no checkpoint metadata holds")
+            raise pickle.UnpicklingError(f"it creates {_short(self.stack[-2])}, which no checkpoint metadata holds")
         pickle._Unpickler.load_newobj(self)  # noqa: SLF001
 
     def _load_build(self) -> None:
         target = self.stack[-2]
         if isinstance(target, type) or not any(type(target) is c for c in _CLASSES):
-            raise pickle.UnpicklingError(f"it sets the state of {target!r}, which no checkpoint metadata does")
+            raise pickle.UnpicklingError(f"it sets the state of {_short(target)}, which no checkpoint metadata does")
         pickle._Unpickler.load_build(self)  # noqa: SLF001
 
     dispatch[pickle.REDUCE[0]] = _load_reduce
@@ -134,29 +144,32 @@ def _metadata_problem(md: Any, directory: Path) -> str | None:
         return "its storage_meta is not a StorageMeta"
     for key, entry in md.state_dict_metadata.items():
         if type(key) is not str or type(entry) is not TensorStorageMetadata:
-            return f"its entry {key!r} is not a tensor (zaya checkpoints hold tensors only)"
+            return f"its entry {_short(key)} is not a tensor (zaya checkpoints hold tensors only)"
         props, size = entry.properties, entry.size
         if type(props) is not TensorProperties or not isinstance(props.dtype, torch.dtype) or not _is_size(size):
-            return f"its entry {key!r} has no valid dtype or size"
+            return f"its entry {_short(key)} has no valid dtype or size"
         if type(entry.chunks) is not list:
-            return f"its entry {key!r} has no chunk list"
+            return f"its entry {_short(key)} has no chunk list"
         for chunk in entry.chunks:
             if (type(chunk) is not ChunkStorageMetadata or not _is_size(chunk.offsets, len(size))
                     or not _is_size(chunk.sizes, len(size))
                     or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, size))):
-                return f"a chunk of its entry {key!r} lies outside the tensor"
+                return f"a chunk of its entry {_short(key)} lies outside the tensor"
     files = {f.name for f in directory.iterdir()} if directory.is_dir() else set()
     for index, info in md.storage_data.items():
-        if type(index) is not MetadataIndex or type(index.fqn) is not str or type(info) is not _StorageInfo:
+        if (type(index) is not MetadataIndex or type(index.fqn) is not str or type(info) is not _StorageInfo
+                or not (index.offset is None or _is_size(index.offset))
+                or not (index.index is None or type(index.index) is int)):
             return "its storage table holds something other than tensor locations"
         name = info.relative_path
         if type(name) is not str or not name.endswith(".distcp") or "/" in name or "\\" in name or name not in files:
-            return f"it points {index.fqn!r} at {name!r}, which is not a data file of the checkpoint directory"
+            return (f"it points {_short(index.fqn)} at {_short(name)}, which is not a data file of the checkpoint "
+                    "directory")
         if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
-            return f"it gives {index.fqn!r} an invalid offset or length"
+            return f"it gives {_short(index.fqn)} an invalid offset or length"
         if info.transform_descriptors:
-            return f"it asks to transform the stream of {index.fqn!r} ({info.transform_descriptors!r}), which zaya " \
-                   "never does"
+            return (f"it asks to transform the stream of {_short(index.fqn)} "
+                    f"({_short(info.transform_descriptors)}), which zaya never does")
     return None
 
 
@@ -212,12 +225,14 @@ def first_failure(exc: BaseException) -> tuple[str, BaseException]:
     return "", exc
 
 
-def load_dcp(path: Path, flat: dict[str, torch.Tensor], process_group: Any = None, distributed: bool = False) -> None:
+def load_dcp(path: Path, flat: dict[str, torch.Tensor], process_group: Any = None, distributed: bool = False,
+             reader: AllowListReader | None = None) -> None:
     """Load the tensors ``flat`` (DCP keys -> live tensors, filled in place) from the checkpoint directory ``path``
-    through ``AllowListReader`` and ``TensorsOnlyPlanner``, after ``check_entries``. Any failure is a
-    ``CheckpointError`` naming ``path``. Collective when ``distributed``."""
+    through ``AllowListReader`` (``reader``, when the caller has read the metadata already) and
+    ``TensorsOnlyPlanner``, after ``check_entries``. Any failure is a ``CheckpointError`` naming ``path``. Collective
+    when ``distributed``."""
     path = Path(path)
-    reader = AllowListReader(path)
+    reader = reader if reader is not None else AllowListReader(path)
     check_entries(path, reader.read_metadata(), flat)
     try:
         dcp.load(flat, storage_reader=reader, planner=TensorsOnlyPlanner(), process_group=process_group,

@@ -31,8 +31,8 @@ from safetensors.torch import save_file
 from zaya.config import ConfigError, ModelConfig, model_config_from_dict, to_dict
 from zaya.errors import CheckpointError
 from zaya.model.checksums import check_listed, verify_checksums, write_checksums
-from zaya.model.io import (DAMAGED, atomic_directory, build_from_state_dict, expected_shapes, read_json_object,
-                           read_safetensors, safetensors_header)
+from zaya.model.io import (DAMAGED, atomic_directory, build_from_state_dict, check_layer_count, expected_shapes,
+                           read_json_object, read_safetensors, safetensors_header)
 from zaya.model.router import BALANCING_STATE
 from zaya.model.zaya import ZayaForCausalLM
 
@@ -120,28 +120,37 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
         if not ok:
             raise ConfigError(f"{source}: {key} = {hf.get(key)!r} is not supported by zaya ({rule})")
 
-    layers = hf.get("num_hidden_layers", 40)
-    layer_types = hf.get("layer_types") or ["hybrid"] * layers
-    need("layer_types", all(t == "hybrid" for t in layer_types), "only full-attention 'hybrid' layers")
+    def real(key: str, value: Any) -> float:  # config.json is untrusted: a wrong type is named, never a traceback
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{source}: {key} = {value!r} is not a number")
+        return float(value)
+
+    layer_types = hf.get("layer_types")
+    need("layer_types", layer_types is None or (isinstance(layer_types, list) and all(t == "hybrid" for t in
+                                                                                      layer_types)),
+         "only full-attention 'hybrid' layers")
     need("hidden_act", hf.get("hidden_act", "silu") == "silu", "experts are SwiGLU with silu")
     need("attention_bias", not hf.get("attention_bias", False), "attention projections have no bias")
     need("lm_head_bias", not hf.get("lm_head_bias", False), "the LM head has no bias")
+    need("tie_word_embeddings", isinstance(hf.get("tie_word_embeddings", True), bool), "true or false")
     rope = hf.get("rope_parameters") or {}
-    rope = rope.get("hybrid", rope)
-    need("rope_parameters", rope.get("rope_type", "default") == "default", "only default RoPE")
+    rope = rope.get("hybrid", rope) if isinstance(rope, dict) else None
+    need("rope_parameters", isinstance(rope, dict) and rope.get("rope_type", "default") == "default",
+         "only default RoPE")
     eos = hf.get("eos_token_id", 106)
+    need("eos_token_id", not isinstance(eos, list) or len(eos) > 0, "an id or a non-empty list of ids")
     values = dict(
         vocab_size=hf.get("vocab_size", 262272),
         hidden_size=hf.get("hidden_size", 2048),
-        num_layers=layers,
+        num_layers=hf.get("num_hidden_layers", 40),
         attention="cca",
         num_query_heads=hf.get("num_attention_heads", 8),
         num_kv_heads=hf.get("num_key_value_heads", 2),
         head_dim=hf.get("head_dim", 128),
         cca_depthwise_kernel=hf.get("cca_time0", 2),
         cca_grouped_kernel=hf.get("cca_time1", 2),
-        rope_theta=float(rope.get("rope_theta", 5_000_000.0)),
-        rope_fraction=float(rope.get("partial_rotary_factor", 0.5)),
+        rope_theta=real("rope_parameters.rope_theta", rope.get("rope_theta", 5_000_000.0)),
+        rope_fraction=real("rope_parameters.partial_rotary_factor", rope.get("partial_rotary_factor", 0.5)),
         max_seq_len=hf.get("max_position_embeddings", 131072),
         num_experts=hf.get("num_experts", 16),
         top_k=hf.get("num_experts_per_tok", 1),
@@ -150,10 +159,10 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
         router_hidden_size=hf.get("router_hidden_size", 256),
         router_eda=True,
         router_skip_expert=True,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        norm_eps=real("rms_norm_eps", hf.get("rms_norm_eps", 1e-5)),
         residual_fp32=True,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        init_std=float(hf.get("initializer_range", 0.02)),
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+        init_std=real("initializer_range", hf.get("initializer_range", 0.02)),
         pad_token_id=hf.get("pad_token_id") if hf.get("pad_token_id") is not None else 0,
         bos_token_id=hf.get("bos_token_id") if hf.get("bos_token_id") is not None else 2,
         eos_token_id=(eos[0] if isinstance(eos, list) else eos) if eos is not None else 106,
@@ -346,6 +355,7 @@ def load_hf(directory: str | Path, dtype: torch.dtype | None = None) -> ZayaForC
             cfg = model_config_from_dict(merged, str(extras_path))
     source = str(files[0].parent / (files[0].name if len(files) == 1 else "model-*.safetensors"))
     tensors = read_safetensors(files)
+    check_layer_count(cfg, tensors, source)
     check_hf_tensors(tensors, cfg, source)
     state = zaya_state_dict_from_hf(tensors, cfg, source)
     for name, tensor in extras.items():

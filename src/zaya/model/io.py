@@ -18,8 +18,9 @@ holding NaN or inf, a missing, extra or misshapen tensor, and a JSON file that d
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -111,6 +112,19 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return value
 
 
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:blocks|layers)\.(\d+)\.")
+
+
+def check_layer_count(cfg: ModelConfig, names: Iterable[str], source: str) -> None:
+    """Refuse a config whose layer count differs from the layers the weights hold (zaya's ``blocks.i.``, Hugging
+    Face's ``model.layers.i.``), before a model of that config is built: a count from an untrusted file must not
+    make zaya build a million layers."""
+    held = {int(m.group(1)) for name in names if (m := _LAYER_INDEX.search(name))}
+    if len(held) != cfg.num_layers:
+        raise CheckpointError(f"{source}: the config says {cfg.num_layers} layers, the weights hold {len(held)}; the "
+                              "config and the weights do not belong together")
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor a zaya checkpoint of this config holds (computed on the meta device)."""
     with torch.device("meta"):
@@ -121,6 +135,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def build_from_state_dict(cfg: ModelConfig, state: dict[str, torch.Tensor], source: str,
                           dtype: torch.dtype | None = None) -> ZayaForCausalLM:
     """Make a model whose tensors are exactly ``state`` (no re-initialisation), checking names and shapes first."""
+    check_layer_count(cfg, state, source)
     with torch.device("meta"):
         model = ZayaForCausalLM(cfg)
     want = model.state_dict()
