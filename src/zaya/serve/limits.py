@@ -1,4 +1,5 @@
-"""What one client may ask of ``zaya serve``: the limits, each a flag of the command (docs/serving.md, "Limits").
+"""What one client may ask of ``zaya serve``: the limits, each a flag of the command (docs/serving.md, "The
+server's limits").
 
 A module of its own, without the web stack, so that ``zaya``'s argument parser takes its defaults from here.
 """
