@@ -114,7 +114,8 @@ def test_a_pathological_template_is_bounded(tmp_path, shakespeare_dataset):
              "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
              "{{ ns.s }}": "(memory|too_large|timeout)",
              "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}": "too_large",
-             "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}": "failed"}
+             "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}": "failed",
+             "{{ '\\ud800' }}": "not valid Unicode"}
     for source, kind in cases.items():
         tok = _tokenizer_dir(tmp_path, shakespeare_dataset, "{% if messages[0]['content'] == 'go' %}" + source
                              + "{% else %}ok{% endif %}")

@@ -126,6 +126,11 @@ class ChatTemplate:
                 raise ChatTemplateError(f"the chat template refused these messages: {exc.message}", True) from None
             raise ChatTemplateError(f"{self.where}: the chat template failed ({exc.kind}): {exc.message}",
                                     False) from None
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a literal "\ud800" in the template, say: no text a tokenizer takes
+            raise ChatTemplateError(f"{self.where}: the chat template's output is not valid Unicode (an unpaired "
+                                    f"surrogate at character {exc.start})", False) from None
         return encode_prompt(self._specials_backend, text, limit), ()
 
     def close(self) -> None:

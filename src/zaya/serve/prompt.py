@@ -21,7 +21,12 @@ def encode(backend, text: str) -> list[int]:
     """``text``'s ids with no special tokens added (as ``backend.encode(text, add_special_tokens=False).ids``),
     with the GIL released while it runs."""
     fast = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
-    return fast([text], add_special_tokens=False)[0].ids
+    try:
+        return fast([text], add_special_tokens=False)[0].ids
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # a Rust panic is a BaseException: make it an error this request reports
+        raise RuntimeError(f"the tokenizer failed on this text: {type(exc).__name__}: {exc}") from None
 
 
 def encode_prompt(backend, text: str, capacity: int) -> list[int]:

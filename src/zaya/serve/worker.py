@@ -69,7 +69,10 @@ class EngineWorker:
             while not self._stop:
                 try:
                     self._turn()
-                except Exception as exc:  # noqa: BLE001 - a bug in a step must not take the server down
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - a bug in a step (or a Rust panic in the tokenizer,
+                    # which is a BaseException) must not take the server down
                     log.error("the engine step failed; failing the requests it held", exc_info=exc)
                     for request, _ in list(self._taken.values()):
                         self.engine.fail(request, "the engine step", exc)
