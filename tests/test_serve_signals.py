@@ -1,6 +1,6 @@
 """``zaya serve`` as a process: SIGTERM and SIGINT stop it within a few seconds even while requests are running
-(uvicorn waited for them: a 4000-token generation, or a request hung by a bad seed, kept it up), and binding an
-address other machines reach without an API key prints a warning."""
+(uvicorn waited for them: a 4000-token generation, or a request hung by a bad seed, kept it up); binding an address
+other machines reach without an API key prints a warning; the key from $ZAYA_API_KEY and the limits' flags apply."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ def checkpoint(shakespeare_dataset, tmp_path_factory):
     return d
 
 
-def _start(checkpoint, tmp_path, *extra: str) -> tuple[subprocess.Popen, str, object]:
+def _start(checkpoint, tmp_path, *extra: str, key: str = "") -> tuple[subprocess.Popen, str, object]:
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
-    env = dict(os.environ, ZAYA_API_KEY="")
+    env = dict(os.environ, ZAYA_API_KEY=key)
     proc = subprocess.Popen([sys.executable, "-m", "zaya", "serve", "--checkpoint", str(checkpoint), "--port",
                              str(port), "--slots", "2", "--device", "cpu", *extra],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -47,16 +47,23 @@ def _start(checkpoint, tmp_path, *extra: str) -> tuple[subprocess.Popen, str, ob
             time.sleep(0.2)
 
 
-@pytest.mark.parametrize("sig,host", [(signal.SIGTERM, "0.0.0.0"), (signal.SIGINT, "127.0.0.1")])
-def test_a_signal_stops_the_server_with_requests_in_flight(checkpoint, tmp_path, sig, host):
-    proc, url, log = _start(checkpoint, tmp_path, "--shutdown-timeout", "1", "--host", host)
+@pytest.mark.parametrize("sig,host,key", [(signal.SIGTERM, "0.0.0.0", ""), (signal.SIGINT, "127.0.0.1", "k3y")])
+def test_a_signal_stops_the_server_with_requests_in_flight(checkpoint, tmp_path, sig, host, key):
+    proc, url, log = _start(checkpoint, tmp_path, "--shutdown-timeout", "1", "--host", host, "--max-prompts", "1",
+                            key=key)
     try:
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        if key:
+            assert httpx.post(f"{url}/v1/completions", json={"prompt": "a"}).status_code == 401
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": ["a", "b"]}, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"
         long = {"prompt": "ROMEO:", "max_tokens": 4000, "ignore_eos": True}
         streamed = []
 
         def stream():
             try:
-                with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+                with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=60,
+                                  headers=headers) as r:
                     for line in r.iter_lines():
                         streamed.append(line)
             except httpx.HTTPError:
@@ -64,7 +71,7 @@ def test_a_signal_stops_the_server_with_requests_in_flight(checkpoint, tmp_path,
 
         def plain():
             try:
-                post_json(f"{url}/v1/completions", long, timeout=60)
+                post_json(f"{url}/v1/completions", long, key or None, timeout=60)
             except httpx.HTTPError:
                 pass
 
