@@ -2,6 +2,7 @@
 and ``zaya serve``'s OpenAI-compatible HTTP API. See docs/serving.md.
 
 The engine's modules (``sampling``, ``request``, ``text``, ``engine``) import no model code, so ``model.generate``
-can run on them; the HTTP side (``api``, ``chat``, ``server``) sits above everything else. Nothing is imported here
-so that importing the engine never pulls in the web stack.
+can run on them; the HTTP side (``api``, ``chat`` and ``template_sandbox``, ``gate``, ``limits``, ``prompt``,
+``worker``, ``server``) sits above everything else. Nothing is imported here so that importing the engine never
+pulls in the web stack.
 """
