@@ -128,4 +128,5 @@ def test_non_finite_floats_in_toml_lists_and_tables_are_config_errors(tmp_path, 
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, text))
     assert "c.toml" in str(err.value) and f"{where}: must be a finite number" in str(err.value)
-    load_config(write(tmp_path, text.replace("-inf", "0.5").replace("inf", "0.5").replace("nan", "0.5")))  # finite: fine
+    finite = text.replace("-inf", "0.5").replace("inf", "0.5").replace("nan", "0.5")
+    load_config(write(tmp_path, finite))

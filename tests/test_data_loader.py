@@ -455,3 +455,68 @@ def test_close_after_producer_error_with_full_queue_does_not_hang(datasets):
     time.sleep(0.1)  # the producer is now handing over its error, to a full queue nobody reads
     result = _call_in_thread(loader.close, timeout=10)
     assert "error" not in result
+
+
+# --- hostile bundles and manifests -----------------------------------------------------------------------------------
+def test_token_ids_outside_the_vocabulary_are_a_data_error_naming_the_bundle(tmp_path):
+    """Ids 3..~600 in a dataset whose tokenizer has 300: every reader refuses the batch that holds one."""
+    ds = write_dataset(tmp_path / "bad", {"train": [consecutive_documents([200] * 3)],
+                                          "val": [consecutive_documents([150] * 4)]}, vocab_size=300)
+    loader = DataLoader({"bad": ds}, [Stage("s", 16, 4, {"bad": 1.0})], prefetch=0)
+    with pytest.raises(DatasetError) as err:
+        for _ in range(50):
+            next(loader)
+    message = str(err.value)
+    assert str(tmp_path / "bad" / "train-00000.zb") in message and "outside the dataset's vocabulary of 300" in message
+    assert "prepare the dataset again" in message
+    bad_id = int(message.split(" has id ")[1].split(",")[0].replace(",", ""))
+    assert bad_id >= 300
+    with pytest.raises(DatasetError, match=r"val-00000\.zb: token [\d,]+ has id [\d,]+, outside"):
+        list(validation_batches(ds, 16, 2))
+    with pytest.raises(DatasetError, match=r"train-00000\.zb: token 298 has id 300, outside the vocabulary of 300"):
+        ds.verify()
+    # Ids inside the vocabulary pass, through the same check.
+    ok = write_dataset(tmp_path / "ok", {"train": [consecutive_documents([200] * 3)]}, vocab_size=700)
+    assert len(list(validation_batches(ok, 16, 2, split="train"))) > 0 and ok.verify()
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda m: m["tokenizer"].pop("vocab_size"), "KeyError"),
+    (lambda m: m["tokenizer"].update(vocab_size="512"), "tokenizer.vocab_size = '512'"),
+    (lambda m: m["tokenizer"].update(eos_id=-1), "tokenizer.eos_id = -1"),
+    (lambda m: m.update(dtype="float32"), "dtype 'float32'"),
+    (lambda m: m["splits"]["train"]["bundles"][0].update(file="../elsewhere.zb"), "'../elsewhere.zb'"),
+    (lambda m: m["splits"]["train"]["bundles"][0].update(tokens=-5), "tokens = -5"),
+    (lambda m: m.update(splits=[]), "AttributeError"),
+])
+def test_a_malformed_manifest_is_a_data_error_naming_it(tmp_path, edit, needle):
+    from zaya.data.bundle import PreparedDataset
+
+    write_dataset(tmp_path / "ds", {"train": [consecutive_documents([50] * 3)]})
+    path = tmp_path / "ds" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError) as err:
+        PreparedDataset(tmp_path / "ds")
+    assert str(path) in str(err.value) and "malformed" in str(err.value) and needle in str(err.value), err.value
+
+
+def test_zaya_train_on_a_bundle_with_foreign_ids_exits_3(tmp_path, micro_config, shakespeare_dataset, capsys):
+    import shutil
+
+    from zaya.cli import main
+
+    data = tmp_path / "data"
+    shutil.copytree(shakespeare_dataset, data)
+    bundle = data / "train-00000.zb"
+    tokens = np.memmap(bundle, dtype="<u2", mode="r+", offset=64, shape=((bundle.stat().st_size - 64) // 2 // 2,))
+    tokens[::5] = 40000  # the tokenizer has 512 ids
+    tokens.flush()
+    del tokens
+    cfg = micro_config(tmp_path / "run")
+    cfg.write_text(cfg.read_text().replace(str(shakespeare_dataset), str(data)))
+    assert main(["train", "--config", str(cfg), "--max-steps", "2", "--set", "train.eval_every=0"]) == 3
+    err = capsys.readouterr().err
+    assert f"zaya: error: {bundle}: token " in err and "has id 40,000, outside the dataset's vocabulary of 512" in err
+    assert "Traceback" not in err

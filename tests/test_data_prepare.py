@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from data_helpers import EOS, tiny_tokenizer
+from proc_helpers import ended_process
 from zaya.cli import main
 from zaya.data import prepare as prepare_mod
 from zaya.data import sources
@@ -589,3 +590,88 @@ def test_cli_errors_exit_2_or_3(tmp_path, capsys):
         assert last.startswith("zaya: error: ") and needle in last, (argv, err)
         assert "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+# --- no silent loss: the reason for no text, a killed prepare's folder, a full disk ----------------------------------
+@pytest.mark.parametrize("lines,needles", [
+    (['{"content": "hello"}', '{"content": "more", "id": 3}', '{"body": "x"}'],
+     ["3 JSON Lines record(s) have no string field 'text'", "first at", "in.jsonl:1", "'content' (2)", "'body' (1)",
+      "--text-field content"]),
+    (['{"id": 3}', '[1, 2]'],
+     ["1 JSON Lines record(s) have no string field 'text'", "no string field at all",
+      "1 line(s) are not JSON objects (the first: ", "in.jsonl:2: not a JSON object"]),
+    (['{"text": ""}', '{"text": ""}'], ["2 document(s) are empty"]),
+])
+def test_no_text_says_why_and_the_fix(tmp_path, lines, needles):
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(InputError) as err:
+        run_prepare(tmp_path, [path])
+    message = str(err.value)
+    assert message.startswith(f"no text in the inputs ({path})") and "every document was empty" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_a_killed_prepares_folder_is_removed_when_its_owner_has_ended_and_reported_otherwise(tmp_path):
+    import os
+    import socket
+
+    from zaya import procs
+    from zaya.data import leftovers
+
+    path = write_jsonl(tmp_path / "a.jsonl", ["some text", "more text"])
+    out = tmp_path / "ds"
+    owners = {"dead": ended_process(), "live": procs.record(),
+              "remote": {**procs.record(), "host": socket.gethostname() + "-elsewhere"}, "unrecorded": None}
+    for name, owner in owners.items():
+        folder = tmp_path / f".ds.tmp-{name}"
+        (folder / "train-00000.zb").parent.mkdir()
+        (folder / "train-00000.zb").write_bytes(b"partial")
+        if owner is not None:
+            (folder / leftovers.OWNER).write_text(json.dumps(owner))
+    _, logs = run_prepare(tmp_path, [path], out="ds")
+    assert (out / MANIFEST).is_file() and not (out / leftovers.OWNER).exists()
+    assert not (tmp_path / ".ds.tmp-dead").exists()
+    assert any(f"removed {tmp_path / '.ds.tmp-dead'}" in line and f"pid {owners['dead']['pid']}" in line
+               for line in logs), logs
+    for name, why in (("live", f"still running (pid {os.getpid()}"), ("remote", "which this host cannot check"),
+                      ("unrecorded", "no owner record")):
+        folder = tmp_path / f".ds.tmp-{name}"
+        assert (folder / "train-00000.zb").is_file(), name  # left as it was
+        assert any(line.startswith(f"warning: {folder} ") and why in line for line in logs), (name, logs)
+    assert leftovers.temporary_folders(out) == sorted(tmp_path / f".ds.tmp-{n}" for n in ("live", "remote",
+                                                                                           "unrecorded"))
+
+
+def test_a_full_disk_while_preparing_is_exit_5_naming_the_directory(tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+
+    from zaya.data.cache import resolve_dataset
+    from zaya.errors import DiskFullError
+
+    def full(self, ids, end_of_document):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(BundleWriter, "write", full)
+    (tmp_path / "a.txt").write_text("some text\n")
+    out = tmp_path / "deep" / "ds"
+    assert main(["data", "prepare", "--input", str(tmp_path / "a.txt"), "--vocab-size", "320", "--out",
+                 str(out)]) == 5
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"zaya: error: writing the dataset {out}: {out.parent}: No space left on device (")
+    assert "MiB free there" in last and "--out" in last and "Traceback" not in err
+    assert not out.exists() and not leftovers_of(out)
+    # A built-in corpus prepared into zaya's cache: the fix names the cache's variable.
+    monkeypatch.setattr(prepare_mod, "_prepare", lambda opts, log: BundleWriter.write(None, None, True))
+    with pytest.raises(DiskFullError, match=r"free space, or set ZAYA_CACHE_DIR to a directory") as caught:
+        resolve_dataset("builtin:shakespeare", 320, tmp_path / "cache", log=lambda m: None)
+    assert f"{tmp_path / 'cache' / 'datasets'}: No space left" in str(caught.value) and caught.value.exit_code == 5
+
+
+def leftovers_of(out: Path) -> list[Path]:
+    from zaya.data.leftovers import temporary_folders
+
+    return temporary_folders(out)

@@ -1,6 +1,6 @@
 """The package layering: a module imports only from its own layer or the layers below it, never upward.
 
-    (errors, device, fsutil, tune.profile) -> config -> serve engine -> model -> optim -> data -> dist
+    (errors, device, fsutil, procs, tune.profile) -> config -> serve engine -> model -> optim -> data -> dist
     -> checkpoint -> eval -> train -> tune -> aegis -> serve (HTTP) -> cli
 
 The serving package spans two layers: its engine modules (sampling, request, text, engine) drive a model only
@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "zaya"
 SERVE_ENGINE = ("serve.sampling", "serve.request", "serve.text", "serve.engine")
 HARDWARE_PROFILE = "tune.profile"
 SPLIT = (*SERVE_ENGINE, HARDWARE_PROFILE)
-LAYERS = [("errors", "device", "fsutil", HARDWARE_PROFILE), ("config",), SERVE_ENGINE, ("model",), ("optim",),
+LAYERS = [("errors", "device", "fsutil", "procs", HARDWARE_PROFILE), ("config",), SERVE_ENGINE, ("model",), ("optim",),
           ("data",), ("dist",), ("checkpoint",), ("eval",), ("train",), ("tune",), ("aegis",), ("serve",),
           ("cli", "__init__", "__main__")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}

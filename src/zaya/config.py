@@ -346,7 +346,9 @@ class CheckpointConfig:
     Off by default: the copy lives in memory and is published atomically after its disk checkpoint; a copy that
     cannot be read still falls back to disk."""
     ram_dir: str = resumable("")
-    """Directory of the RAM tier; "" = /dev/shm/zaya (per node). Must be a RAM-backed filesystem to help."""
+    """Directory of the RAM tier; "" = /dev/shm/zaya-<uid> (per node and user). Must be a RAM-backed filesystem to
+    help, and this user's alone: one that is another user's, a link, or writable by others is refused (with a
+    warning; restarts then load from disk)."""
     on_error: str = resumable("continue")
     """A periodic save that fails (e.g. a full disk): "continue" training (the previous checkpoint stays the newest;
     a warning names the error) or "stop" the run (exit 5). A failed closing save (the final one, the one on a

@@ -10,9 +10,9 @@ cluster's job system) reads to decide what to do next.
 |      | tokenizer)                                                     |                                           |
 | 4    | non-finite loss or gradient                                    | resume from the named checkpoint with a   |
 |      |                                                                | lower lr, or skip the batch               |
-| 5    | checkpoint failure (a save failed with on_error = "stop", the  | free space / fix storage, then resume     |
-|      | run's final or on-signal save failed, or none of the           |                                           |
-|      | checkpoints can be loaded)                                     |                                           |
+| 5    | checkpoint or storage failure (a save failed with on_error =    | free space / fix storage, then resume     |
+|      | "stop", the run's final or on-signal save failed, none of the  |                                           |
+|      | checkpoints can be loaded, or a disk is full: DiskFullError)   |                                           |
 | 6    | collective timeout or lost peer (a rank died, hung or lost the  | replace the node, resume                  |
 |      | network for longer than train.timeout_s)                       |                                           |
 | 75   | interrupted by a signal; a checkpoint was written              | resume with the same command              |
@@ -25,6 +25,12 @@ architecture.md`` has the same table.
 """
 
 from __future__ import annotations
+
+import errno
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 FINISHED = 0
 CONFIG_ERROR = 2
@@ -66,6 +72,52 @@ class CheckpointError(ZayaError, ValueError):
     """A checkpoint that is missing, incomplete, corrupt, made for another model, or could not be written."""
 
     exit_code = CHECKPOINT_ERROR
+
+
+class DiskFullError(CheckpointError):
+    """A write the filesystem refused for lack of room (a full disk or quota, a file-size limit), wherever it was:
+    the run directory, the data cache, a prepared dataset. Exit 5 like a failed checkpoint: the fix is the same
+    (free space, then run the same command again)."""
+
+
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""No space left, quota exceeded, file too large (a file-size limit, ``ulimit -f``)."""
+
+
+def disk_full(exc: BaseException, directory: str | Path, what: str, elsewhere: str = "") -> DiskFullError | None:
+    """A DiskFullError for ``exc`` when it (or an exception it was raised from) is an OSError that says the
+    filesystem has no room, naming ``what`` was being written, ``directory``, its free space and the fix
+    (``elsewhere``: e.g. "point train.run_dir elsewhere"); None for any other error."""
+    cause: BaseException | None = exc
+    for _ in range(8):
+        if cause is None or (isinstance(cause, OSError) and cause.errno in DISK_FULL_ERRNOS):
+            break
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or not isinstance(cause, OSError) or cause.errno not in DISK_FULL_ERRNOS:
+        return None
+    probe = Path(directory)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = f"{shutil.disk_usage(probe).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        free = "its free space unknown"
+    return DiskFullError(f"{what}: {directory}: {cause.strerror or cause} ({free}): the filesystem is full or "
+                         "refuses a file this large; free space" + (f", or {elsewhere}" if elsewhere else "")
+                         + ", then run the same command again")
+
+
+@contextmanager
+def writing(directory: str | Path, what: str, elsewhere: str = "") -> Iterator[None]:
+    """Within it, an OSError that says the filesystem has no room becomes the ``disk_full`` error (exit 5, naming
+    the directory and its free space) instead of a traceback; any other error passes unchanged."""
+    try:
+        yield
+    except OSError as exc:
+        error = disk_full(exc, directory, what, elsewhere)
+        if error is None:
+            raise
+        raise error from exc
 
 
 class CollectiveError(ZayaError, RuntimeError):

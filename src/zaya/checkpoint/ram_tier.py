@@ -5,12 +5,13 @@ whole checkpoint back from disk (or a network filesystem) is then the slowest pa
 also leaves what each rank wrote (the tensors it owns, exactly as they are in memory: see ``staging``) in a file on
 a RAM-backed filesystem of its node (``/dev/shm`` by default)::
 
-    /dev/shm/zaya/<run name>-<hash of the run directory>/
+    /dev/shm/zaya-<uid>/<run name>-<hash of the run directory>/     both mode 0700 (ram_owners)
         rank-00000.pt      torch.save of {"format": 2, "tensors": {DCP key: tensor}, "replicated": [...]}: the
                            tensors this rank owns (DTensors as their local shards), and the table of replicated
                            keys ([key, owner, dtype, shape, holders], the same on every rank)
         rank-00000.json    {"format", "step", "save_id", "world_size", "parallel", "size", "crc32", "run_dir"}:
                            written after the .pt
+        rank-00000.owner.json   the process using it, its launcher and supervisor (ram_owners)
 
 Under DDP and ZeRO-1 the replicated model (and DDP's optimizer state) is written once, each key by its owner, so a
 rank's file holds about 1/world of it. A restore (``reassemble``) copies every rank's own file into its live
@@ -24,7 +25,8 @@ world size and parallel mode (so each rank's shards and owned keys are its own a
 covers its live state (checked, and agreed, before any broadcast); otherwise it loads from disk, which reshards. A
 copy is published (renamed into place) only after the disk checkpoint of the same step has committed, so the RAM
 tier is never ahead of the disk. It lives in memory that outlasts the process: a finished run removes it, a run
-started with ``--resume never`` clears it, and ``checkpoint.ram_tier = false`` turns it off.
+started with ``--resume never`` clears it, ``checkpoint.ram_tier = false`` turns it off, and ``ram_owners`` says
+what removes the copies of runs that ended otherwise, and who may own the directory.
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ from typing import Any
 
 import torch
 
-DEFAULT_DIR = "/dev/shm/zaya"
+from zaya.checkpoint import ram_owners
+
+DEFAULT_DIR = f"/dev/shm/zaya-{os.getuid()}"
+"""Per user: a directory of the user's own (mode 0700), which no other user can have made first under that name
+without being refused (``ram_owners.problem``)."""
 FORMAT = 2
 """Of a rank's file (and its info): 2 = owned tensors plus the replicated-key table."""
 BUCKET_BYTES = 256 << 20
@@ -52,12 +58,26 @@ def ram_tier_directory(run_dir: str | Path, ram_dir: str = "") -> Path:
 
 
 class RamTier:
+    """One rank's copy in one run's directory of the tier. ``problem``: why the directory may not be used (not this
+    user's alone: ``ram_owners``), or None; with a problem, nothing here reads, writes or removes a file."""
+
     def __init__(self, directory: Path, run_dir: Path, rank: int, world_size: int, parallel: str):
         self.directory = directory
         self.run_dir = str(Path(run_dir).resolve())
         self.rank = rank
         self.world_size = world_size
         self.parallel = parallel
+        self.problem = ram_owners.problem(directory.parent) or ram_owners.problem(directory)
+
+    def open(self) -> list[Path]:
+        """Start using the tier: create its directories private (PermissionError naming one that is not this
+        user's alone), record this process as the copy's owner, and sweep the directories of runs that ended
+        (returned)."""
+        if self.problem:
+            raise PermissionError(f"{self.problem}: not used for the RAM tier")
+        ram_owners.make_private(self.directory.parent, self.directory)
+        ram_owners.claim(self.directory, self.rank)
+        return ram_owners.sweep(self.directory.parent, keep=self.directory)
 
     @property
     def data_path(self) -> Path:
@@ -77,7 +97,8 @@ class RamTier:
     def write_pending(self, tensors: dict[str, torch.Tensor], replicated: list, step: int) -> Path:
         """Write this rank's owned tensors (local shards) and the replicated-key table under a temporary name;
         ``publish`` makes it the tier's copy."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        ram_owners.make_private(self.directory.parent, self.directory)
+        ram_owners.claim(self.directory, self.rank)  # again: --resume never, or a sweep, may have removed it
         pending = self.directory / f".rank-{self.rank:05d}.step-{step:08d}.pending"
         try:
             torch.save({"format": FORMAT, "tensors": tensors, "replicated": replicated}, pending)
@@ -110,6 +131,8 @@ class RamTier:
         """This rank has a copy of the save ``save_id`` of ``step`` at this world size and parallel mode, of the
         recorded size, and (``verify``) whose crc32 still matches: that reads the whole copy, about 0.4 s per GiB
         per core, which is why it is optional (the copy lives in memory and was published atomically)."""
+        if self.problem:
+            return False
         try:
             info = json.loads(self.info_path.read_text())
             return (info.get("format") == FORMAT and save_id is not None and info["save_id"] == save_id
@@ -124,9 +147,12 @@ class RamTier:
         return torch.load(self.data_path, map_location="cpu", weights_only=True, mmap=True)
 
     def clear(self) -> None:
-        """Remove this rank's copy (and the run's directory once it is empty)."""
+        """Remove this rank's copy and owner record (and the run's directory once it is empty)."""
+        if self.problem:
+            return
         for path in (self.info_path, self.data_path):
             path.unlink(missing_ok=True)
+        ram_owners.release(self.directory, self.rank)
         try:
             for stale in self.directory.glob(f".rank-{self.rank:05d}.*.pending"):
                 stale.unlink(missing_ok=True)

@@ -173,6 +173,8 @@ class CheckpointStore:
         self._ram_files = RamTier(ram_tier_directory(run_dir, self.config.ram_dir), run_dir, self.rank,
                                   self.world_size, parallel)
         self.ram = self._ram_files if self.config.ram_tier else None
+        if self.ram is not None:
+            self._open_ram_tier()
         self._ram_room_warned = False
         self._pin_warned = False
         self._buffers = HostBuffers()
@@ -483,6 +485,20 @@ class CheckpointStore:
         buffers (page-locked memory is unregistered before it is unmapped)."""
         self.wait_quietly()
         self._buffers.release()
+
+    def _open_ram_tier(self) -> None:
+        """Take up the RAM tier (ram_owners: private directories, this process as the owner, the copies of runs
+        that ended removed), or keep to disk with a warning when its directory is not this user's alone."""
+        try:
+            swept = self.ram.open()
+        except OSError as exc:
+            self.log(f"warning: RAM tier off ({exc}); restarts load from disk. Set checkpoint.ram_dir to a "
+                     "directory of your own (created mode 0700), or remove that one")
+            self.ram = None
+            return
+        if swept and self.rank == 0:
+            self.log(f"removed the RAM-tier copies of {len(swept)} ended run(s) no process uses any more: "
+                     + ", ".join(str(p) for p in swept))
 
     def forget_ram_tier(self) -> None:
         """Drop this rank's RAM-tier copy (a finished run, or a run started afresh), even with the tier off."""

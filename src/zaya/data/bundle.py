@@ -207,6 +207,11 @@ class PreparedDataset:
         if version != DATASET_VERSION:
             raise DatasetError(f"{manifest_path}: dataset format_version {version!r}; this zaya reads version "
                                f"{DATASET_VERSION} (upgrade zaya, or prepare the data again with this version)")
+        try:
+            self._check_manifest()
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise DatasetError(f"{manifest_path}: malformed ({type(exc).__name__}: {exc}); not written by `zaya "
+                               "data prepare`, or damaged: prepare the dataset again") from None
         if verify:
             self.verify()
         self.splits = {name: Split(name, [Bundle(self.directory / b["file"], expect=b) for b in split["bundles"]])
@@ -215,6 +220,24 @@ class PreparedDataset:
         self.vocab_size: int = tok["vocab_size"]
         self.eos_id: int = tok["eos_id"]
         self.dtype = np.dtype(self.manifest["dtype"])
+
+    def _check_manifest(self) -> None:
+        """The manifest's fields have the types the readers rely on (a KeyError, TypeError or ValueError here is a
+        malformed manifest), and bundles are plain file names inside the dataset directory."""
+        tok = self.manifest["tokenizer"]
+        for key in ("vocab_size", "eos_id"):
+            if type(tok[key]) is not int or tok[key] < 0 or (key == "vocab_size" and tok[key] == 0):
+                raise ValueError(f"tokenizer.{key} = {tok[key]!r} is not a valid id count or id")
+        if np.dtype(self.manifest["dtype"]) not in (np.uint16, np.uint32):
+            raise ValueError(f"dtype {self.manifest['dtype']!r} is not uint16 or uint32")
+        for name, split in self.manifest["splits"].items():
+            for b in split["bundles"]:
+                file = b["file"]
+                if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+                    raise ValueError(f"splits.{name}: bundle file {file!r} is not a file name in the directory")
+                for key in ("bytes", "tokens", "documents"):
+                    if type(b[key]) is not int or b[key] < 0:
+                        raise ValueError(f"splits.{name}: {file}: {key} = {b[key]!r}")
 
     def fingerprint(self) -> str:
         """A digest of what the dataset holds (dtype, tokenizer and every bundle's sha256, by split), not of where
@@ -257,5 +280,17 @@ class PreparedDataset:
                 if sha256_file(path) != b["sha256"]:
                     raise DatasetError(f"{path}: sha256 differs from the manifest (corrupt bundle; prepare the "
                                        "dataset again)")
+                self._check_ids(Bundle(path, expect=b))
                 checked.append(path.name)
         return checked
+
+    def _check_ids(self, bundle: Bundle, chunk: int = 1 << 24) -> None:
+        """Every id of ``bundle`` is below the tokenizer's vocabulary size (vectorised, in chunks)."""
+        vocab = int(self.manifest["tokenizer"]["vocab_size"])
+        for start in range(0, bundle.num_tokens, chunk):
+            part = np.asarray(bundle.tokens[start:start + chunk])
+            if int(part.max()) >= vocab:
+                at = start + int(np.argmax(part >= vocab))
+                raise DatasetError(f"{bundle.path}: token {at:,} has id {int(part[at - start]):,}, outside the "
+                                   f"vocabulary of {vocab:,} ids (a bundle written with another tokenizer, or a "
+                                   "manifest rewritten to match a corrupt one); prepare the dataset again")

@@ -14,9 +14,12 @@ from typing import Callable
 
 from zaya.data.bundle import DATASET_VERSION, MANIFEST, DatasetError
 from zaya.data.sources import BUILTIN
+from zaya.errors import writing
 from zaya.fsutil import cache_root
 
 BUILTIN_VAL_FRACTION = 0.05
+ELSEWHERE = "set ZAYA_CACHE_DIR to a directory on a disk with room"
+"""The fix a full disk in the cache names, beside freeing space."""
 
 
 def builtin_dataset_dir(spec: str, vocab_size: int, cache_dir: str | Path | None = None) -> Path:
@@ -38,8 +41,10 @@ def resolve_dataset(spec: str, vocab_size: int = 4096, cache_dir: str | Path | N
     out = builtin_dataset_dir(spec, vocab_size, cache_dir)
     if (out / MANIFEST).is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
+    with writing(out.parent, f"preparing {spec} in zaya's cache", ELSEWHERE):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(out.parent / f".{out.name}.lock", "w")
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / MANIFEST).is_file():  # another process prepared it while we waited
             return out
@@ -47,7 +52,8 @@ def resolve_dataset(spec: str, vocab_size: int = 4096, cache_dir: str | Path | N
 
         log(f"preparing {spec} (first use; cached in {out})")
         result = prepare(PrepareOptions(inputs=[spec], out=str(out), vocab_size=vocab_size,
-                                        val_fraction=BUILTIN_VAL_FRACTION, force=out.exists()), log=log)
+                                        val_fraction=BUILTIN_VAL_FRACTION, force=out.exists()), log=log,
+                         elsewhere=ELSEWHERE)
         log(f"prepared {spec}: {result.manifest['splits']['train']['tokens']:,} train tokens in "
             f"{result.seconds:.1f} s")
     return out

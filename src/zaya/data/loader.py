@@ -90,10 +90,12 @@ class Permutation:
 
 # --- one dataset split as sequences --------------------------------------------------------------------------------
 class SequenceSource:
-    """A split cut into windows of ``seq_len + 1`` tokens (see the module docstring)."""
+    """A split cut into windows of ``seq_len + 1`` tokens (see the module docstring). With ``vocab_size``, every
+    read is checked to hold ids in ``[0, vocab_size)``: a corrupt bundle is a DataError naming it, never an index
+    error inside the model (one min and one max over the rows read: nothing per token in Python)."""
 
-    def __init__(self, split: Split, seq_len: int, name: str = ""):
-        self.split, self.seq_len, self.name = split, seq_len, name
+    def __init__(self, split: Split, seq_len: int, name: str = "", vocab_size: int | None = None):
+        self.split, self.seq_len, self.name, self.vocab_size = split, seq_len, name, vocab_size
         per_bundle = np.array([max(0, (b.num_tokens - 1) // seq_len) for b in split.bundles], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(per_bundle)])
         self.num_sequences = int(self.offsets[-1])
@@ -126,9 +128,23 @@ class SequenceSource:
                 hi = int(np.searchsorted(idx, np.uint64(start + L), side="left"))
                 doc_starts = np.asarray(idx[lo:hi], dtype=np.int64) - start
                 marks = np.zeros(L, dtype=np.int64)
-                inside = doc_starts[doc_starts > 0]
+                inside = doc_starts[(doc_starts > 0) & (doc_starts < L)]  # a corrupt index cannot reach past L
                 marks[inside] = inside
                 positions[row] = np.arange(L) - np.maximum.accumulate(marks)
+        if self.vocab_size is not None and len(indices):
+            self._check_ids(out[:len(indices)], indices, bundles)
+
+    def _check_ids(self, rows: np.ndarray, indices: np.ndarray, bundles: np.ndarray) -> None:
+        if int(rows.min()) >= 0 and int(rows.max()) < self.vocab_size:
+            return
+        bad = np.argwhere((rows < 0) | (rows >= self.vocab_size))[0]
+        row, column = int(bad[0]), int(bad[1])
+        b = int(bundles[row])
+        at = (int(indices[row]) - int(self.offsets[b])) * self.seq_len + column
+        raise DatasetError(f"{self.split.bundles[b].path}: token {at:,} has id {int(rows[row, column]):,}, outside "
+                           f"the dataset's vocabulary of {self.vocab_size:,} ids: the bundle is corrupt or was "
+                           "written with another tokenizer; prepare the dataset again (`zaya data inspect --verify "
+                           "DIR` checks every bundle)")
 
 
 # --- schedule ------------------------------------------------------------------------------------------------------
@@ -266,7 +282,8 @@ class DataLoader:
     def _source(self, name: str, seq_len: int) -> SequenceSource:
         key = (name, seq_len)
         if key not in self._sources:
-            self._sources[key] = SequenceSource(self.datasets[name].split(self.split), seq_len, name)
+            dataset = self.datasets[name]
+            self._sources[key] = SequenceSource(dataset.split(self.split), seq_len, name, dataset.vocab_size)
         return self._sources[key]
 
     def _permutation(self, stage: int, name: str, epoch: int, n: int) -> Permutation:
@@ -412,7 +429,7 @@ def validation_batches(dataset: PreparedDataset | str | Path, seq_len: int, batc
     import torch
 
     dataset = dataset if isinstance(dataset, PreparedDataset) else PreparedDataset(dataset)
-    source = SequenceSource(dataset.split(split), seq_len, f"{dataset.directory.name}/{split}")
+    source = SequenceSource(dataset.split(split), seq_len, f"{dataset.directory.name}/{split}", dataset.vocab_size)
     rounds = source.num_sequences // (batch_size * world_size)
     if rounds == 0:
         raise DatasetError(f"{dataset.directory}: the {split!r} split has {source.num_sequences} sequences of "

@@ -7,7 +7,8 @@ train or validation split and appends it to the split's current bundle, rolling 
 Memory therefore stays bounded by the batches in flight, whatever the input size.
 
 Everything is written into a temporary sibling of the output directory that is renamed into place at the end, so
-an interrupted prepare never leaves a manifest that points at a partial bundle.
+an interrupted prepare never leaves a manifest that points at a partial bundle; the next prepare of the same output
+removes such a folder once its writer has provably ended, and reports it otherwise (``zaya.data.leftovers``).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from zaya.data import leftovers
 from zaya.data.bundle import (BUNDLE_SUFFIX, DATASET_FORMAT, DATASET_VERSION, MANIFEST, TOKENIZER, BundleWriter,
                               sha256_file)
 from zaya.data.sources import InputError, InputStats, Piece, expand_inputs, iter_documents, iter_pieces
 from zaya.data.tokenizer import Tokenizer
+from zaya.errors import writing
 from zaya.fsutil import atomic_directory, atomic_write_text
 
 BATCH_BYTES = 1 << 20
@@ -210,8 +213,15 @@ def _load_or_train_tokenizer(opts: PrepareOptions, files, log) -> Tokenizer:
     return tokenizer
 
 
-def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> PrepareResult:
-    """Run the whole pipeline; see the module docstring. Returns the manifest and throughput."""
+def prepare(opts: PrepareOptions, log: Callable[[str], None] = print,
+            elsewhere: str = "choose an --out on a disk with room") -> PrepareResult:
+    """Run the whole pipeline; see the module docstring. Returns the manifest and throughput. A full disk is a
+    DiskFullError (exit 5) naming the output's directory, its free space and, beside freeing space, ``elsewhere``."""
+    with writing(Path(opts.out).parent, f"writing the dataset {opts.out}", elsewhere):
+        return _prepare(opts, log)
+
+
+def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareResult:
     if not 0 <= opts.val_fraction < 1:
         raise InputError(f"--val-fraction {opts.val_fraction}: must be in [0, 1)")
     if opts.bundle_mb <= 0:
@@ -219,6 +229,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     if opts.workers < 1:
         raise InputError(f"--workers {opts.workers}: must be at least 1")
     out = Path(opts.out)
+    leftovers.sweep(out, log)
     if out.exists() and not opts.force:
         raise FileExistsError(f"{out} already exists; choose another --out or pass --force to replace it")
     files = expand_inputs(opts.inputs)
@@ -231,6 +242,7 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
     rng = random.Random(opts.seed)
     bundle_bytes = int(opts.bundle_mb * 1e6)
     with atomic_directory(out, overwrite=opts.force) as tmp:
+        leftovers.claim(tmp)
         writers = {s: _SplitWriter(tmp, s, tokenizer.dtype, bundle_bytes, eos) for s in SPLITS}
         pool = _SerialPool(tokenizer) if opts.workers == 1 else _ProcessPool(tokenizer, opts.workers)
         progress = _Progress(total_bytes, log)
@@ -264,13 +276,14 @@ def prepare(opts: PrepareOptions, log: Callable[[str], None] = print) -> Prepare
             progress.close()
         splits = {s: w.close() for s, w in writers.items()}
         if splits["train"]["tokens"] == 0:
-            raise InputError(f"no text in the inputs ({', '.join(map(str, opts.inputs))}): every document was "
-                             "empty")
+            raise InputError(f"no text in the inputs ({', '.join(map(str, opts.inputs))}): "
+                             f"{stats.no_text_reason(opts.text_field)}")
         if opts.val_fraction > 0 and splits["val"]["documents"] == 0:
             log(f"warning: --val-fraction {opts.val_fraction} held out no document ({stats.documents} in all)")
         tokenizer.save(tmp / TOKENIZER)
         manifest = _manifest(opts, tokenizer, splits, stats, sha256_file(tmp / TOKENIZER))
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        leftovers.release(tmp)
     seconds = time.perf_counter() - start
     if stats.decode_errors:
         log(f"warning: {stats.decode_errors} invalid UTF-8 sequence(s) replaced by U+FFFD (use --strict to fail)")

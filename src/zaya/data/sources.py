@@ -16,6 +16,7 @@ import codecs
 import gzip
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -48,10 +49,37 @@ class InputStats:
     bad_lines: int = 0
     empty_documents: int = 0
     warnings: list[str] = field(default_factory=list)
+    missing_field: int = 0
+    """JSON Lines records without the text field (a string), of ``bad_lines``."""
+    string_fields: Counter = field(default_factory=Counter)
+    """Of those records: how many hold each string-valued field (the candidates for --text-field)."""
+    first_missing: str = ""
+    """Where the first record without the text field is (``file:line``)."""
+    first_not_object: str = ""
+    """The first line that is not a JSON object, and why."""
 
     def warn(self, message: str) -> None:
         if len(self.warnings) < 20:
             self.warnings.append(message)
+
+    def no_text_reason(self, text_field: str) -> str:
+        """Why the inputs gave no text, and the fix: for ``prepare``'s error when every document came out empty."""
+        parts = []
+        if self.missing_field:
+            fields = ", ".join(f"{name!r} ({n})" for name, n in self.string_fields.most_common(6))
+            best = self.string_fields.most_common(1)
+            parts.append(f"{self.missing_field} JSON Lines record(s) have no string field {text_field!r} (the first "
+                         f"at {self.first_missing})"
+                         + (f"; their string fields: {fields}: pass --text-field {best[0][0]}" if best else
+                            "; they hold no string field at all"))
+        other = self.bad_lines - self.missing_field
+        if other:
+            parts.append(f"{other} line(s) are not JSON objects (the first: {self.first_not_object})")
+        if self.empty_documents:
+            parts.append(f"{self.empty_documents} document(s) are empty")
+        if not parts:
+            parts.append("the input files are empty" if self.bytes == 0 else "every document was empty")
+        return "; ".join(parts)
 
 
 def _kind(path: Path) -> str | None:
@@ -181,6 +209,11 @@ def _jsonl_pieces(path: Path, decode: _Decoder, stats: InputStats, field_name: s
             if problem is None and not isinstance(record.get(field_name), str):
                 problem = (f"no string field {field_name!r} (fields: {', '.join(list(record)[:8]) or 'none'}; "
                            "choose one with --text-field)")
+                stats.missing_field += 1
+                stats.first_missing = stats.first_missing or where
+                stats.string_fields.update(k for k, v in record.items() if isinstance(v, str) and v)
+            elif problem is not None:
+                stats.first_not_object = stats.first_not_object or f"{where}: {problem}"
             if problem is not None:
                 if strict:
                     raise InputError(f"{where}: {problem}")

@@ -16,7 +16,11 @@ from typing import Any
 
 import torch
 
+from zaya.errors import writing
 from zaya.tune.profile import DATASHEET_PEAK_FLOPS, load_profile
+
+RUN_DIR_ELSEWHERE = "point train.run_dir (--run-dir) elsewhere"
+"""The fix a full disk under the run directory names, beside freeing space."""
 
 
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 1024,
@@ -111,14 +115,17 @@ def _drop_torn_line(path: Path) -> None:
 
 
 class MetricsLog:
-    """Appends records to ``metrics.jsonl`` (rank 0 only) and, optionally, TensorBoard scalars."""
+    """Appends records to ``metrics.jsonl`` (rank 0 only) and, optionally, TensorBoard scalars. A full disk is a
+    DiskFullError (exit 5) naming the file: a run whose record cannot be kept stops instead of losing it."""
 
     def __init__(self, path: Path, enabled: bool, tensorboard_dir: Path | None = None):
         self.path = path
         self.enabled = enabled
+        self._fh = None
         if enabled:
-            _drop_torn_line(path)
-        self._fh = open(path, "a", encoding="utf-8") if enabled else None
+            with self._writing():
+                _drop_torn_line(path)
+                self._fh = open(path, "a", encoding="utf-8")
         self._tb = None
         if enabled and tensorboard_dir is not None:
             try:
@@ -128,11 +135,15 @@ class MetricsLog:
                                   "pip install tensorboard") from exc
             self._tb = SummaryWriter(str(tensorboard_dir))
 
+    def _writing(self):
+        return writing(self.path.parent, f"writing {self.path.name}", RUN_DIR_ELSEWHERE)
+
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._fh.write(json.dumps(record, allow_nan=True) + "\n")
-        self._fh.flush()
+        with self._writing():
+            self._fh.write(json.dumps(record, allow_nan=True) + "\n")
+            self._fh.flush()
         if self._tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "time"):
@@ -140,8 +151,11 @@ class MetricsLog:
 
     def close(self) -> None:
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+            fh, self._fh = self._fh, None
+            try:
+                fh.close()
+            except OSError:  # what it still held could not be written: write() has raised that already
+                pass
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -35,11 +35,12 @@ import torch
 from zaya.config import Config, to_dict
 from zaya.device import autocast
 from zaya.dist.runtime import Runtime, collective_error, start, stop
-from zaya.errors import CheckpointError, NonFiniteLossError
+from zaya.errors import CheckpointError, NonFiniteLossError, disk_full, exit_code_of, writing
 from zaya.model import update_balancing_biases
 from zaya.model.router import routers_of
 from zaya.optim.build import peak_lrs, set_lr
 from zaya.train.callbacks import Callback, MetricsFile, Plots, ProgressDisplay, Sample
+from zaya.train.metrics import RUN_DIR_ELSEWHERE
 from zaya.train.run_dir import CHECKPOINTS, METRICS_FILE, TOKENIZER_FILE, prepare_run_dir
 from zaya.train.schedule import Schedule, stage_at
 from zaya.train.routing_probe import RoutingProbe, probe_sequence
@@ -140,7 +141,9 @@ class Trainer:
             datasets, loader = build_data(config, runtime, say)
             built.append(loader)
             if runtime.is_main:
-                shutil.copyfile(next(iter(datasets.values())).directory / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)
+                tokenizer = next(iter(datasets.values())).directory / TOKENIZER_FILE
+                with writing(run_dir, "copying the tokenizer into the run directory", RUN_DIR_ELSEWHERE):
+                    shutil.copyfile(tokenizer, run_dir / TOKENIZER_FILE)
             parallel = build_model(config, runtime)
             install_sequence_seam(parallel.model, config, runtime)
             optimizers = build_optimizers_for(config, parallel)
@@ -261,11 +264,25 @@ class Trainer:
         except BaseException as exc:
             error = collective_error(exc, tc.timeout_s) if isinstance(exc, Exception) else None
             self._call("on_error", error or exc)
+            self._drop_ram_copy_unless_restarted(error or exc)
             if error is not None and error is not exc:
                 raise error from exc
             raise
         finally:
             self.stop_request.uninstall()
+
+    def _drop_ram_copy_unless_restarted(self, exc: BaseException) -> None:
+        """A run that ends in an error no supervisor will restart removes its RAM-tier copy (this rank's; no
+        collective): it would hold host memory until the node reboots. An interruption (a second Ctrl-C) keeps
+        it, as a stop on a signal does, for the resume its exit code asks for (zaya.checkpoint.ram_owners)."""
+        from zaya.checkpoint.ram_owners import restart_expected
+
+        if isinstance(exc, KeyboardInterrupt) or restart_expected(exit_code_of(exc)):
+            return
+        try:
+            self.store.forget_ram_tier()
+        except OSError as err:  # never hide the run's own error behind this one
+            self.say(f"warning: could not remove the RAM-tier copy ({err})")
 
     def _context_parallel_change(self) -> str:
         """A message when the next step's stage runs with another context-parallel size than this process group
@@ -492,7 +509,7 @@ def _prepare_run_dir(config: Config, rt: Runtime, run_dir: Path, resume: str, sa
         try:
             prepare_run_dir(run_dir, config, resume, say)
         except Exception as exc:  # every rank must learn that rank 0 failed, or they hang in the next collective
-            error = exc
+            error = disk_full(exc, run_dir, "preparing the run directory", RUN_DIR_ELSEWHERE) or exc
     rt.agree(error, "start-up (the run directory)")
     check_shared_directory(rt, run_dir, "train.run_dir")
 
