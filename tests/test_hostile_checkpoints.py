@@ -23,6 +23,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -476,3 +477,36 @@ def test_config_values_of_the_wrong_kind_are_named(tmp_path, capsys, exports, ke
     (hf / "config.json").write_text(json.dumps({**config, key: value}))
     assert main(["generate", "--checkpoint", str(hf), "--prompt", "JULIET:", "--max-new-tokens", "2"]) == code
     assert needle in one_line_error(capsys)
+
+
+@pytest.fixture
+def alarm():
+    """Fail a test that blocks (a read of a FIFO) after 30 s instead of hanging the suite."""
+    def ring(signum, frame):
+        raise TimeoutError("blocked for 30 s")
+
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.alarm(30)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_a_fifo_where_a_file_belongs_never_blocks_a_load(tmp_path, capsys, run, exports, alarm):
+    out = copy_export(exports, "safetensors", tmp_path)
+    (out / "model.safetensors").unlink()
+    os.mkfifo(out / "model.safetensors")
+    cli_refuses(capsys, out, "model.safetensors, listed in SHA256SUMS, is missing or not a regular file")
+    (out / MANIFEST).unlink()
+    cli_refuses(capsys, out, "model.safetensors is missing or not a regular file")
+
+    # A run whose newest COMMIT is a FIFO, or lists no .metadata: incomplete, so the previous checkpoint is loaded.
+    bad = copy_run(run, tmp_path / "run")
+    (step_dir(bad) / "COMMIT").unlink()
+    os.mkfifo(step_dir(bad) / "COMMIT")
+    assert load_for_inference(bad)[2] == step_dir(bad, 1)
+    commit = json.loads((step_dir(bad, 1) / "COMMIT").read_text())
+    del commit["files"][".metadata"]
+    (step_dir(bad, 1) / "COMMIT").write_text(json.dumps(commit))
+    with pytest.raises(CheckpointError, match="COMMIT does not list .metadata"):
+        load_for_inference(step_dir(bad, 1))

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 COMMIT = "COMMIT"
 META = "meta.json"
+METADATA = ".metadata"
 COMMIT_FORMAT = 2
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _HASH_BLOCK = 8 << 20
@@ -78,7 +79,10 @@ class FileRecord:
 
 
 def read_commit(path: Path) -> dict[str, FileRecord] | None:
-    """The files a checkpoint's COMMIT lists, or None when there is no readable marker."""
+    """The files a checkpoint's COMMIT lists, or None when there is no readable marker (a FIFO or device in its
+    place is none: reading one would block or never end)."""
+    if not (path / COMMIT).is_file():
+        return None
     try:
         data = json.loads((path / COMMIT).read_text())
         files = data["files"]
@@ -111,6 +115,9 @@ def size_problem(path: Path, records: dict[str, FileRecord] | None) -> str | Non
     """Why ``path`` is incomplete by the cheap checks (marker, presence, sizes), or None."""
     if records is None:
         return f"no valid {COMMIT} marker"
+    unlisted = [name for name in (META, METADATA) if name not in records]
+    if unlisted:  # every checkpoint lists both: an unlisted one would be read unverified
+        return f"{COMMIT} does not list {unlisted[0]}"
     for name, record in sorted(records.items()):
         file = path / name
         if not file.is_file():
@@ -207,7 +214,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     if problem is not None:
         raise CheckpointError(f"{path}: not a complete checkpoint ({problem}); it is never loaded")
     try:
-        meta = json.loads((path / META).read_text())
+        meta = json.loads((path / META).read_text())  # a regular file: size_problem checked it
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path / META} cannot be read ({exc}); the checkpoint is damaged: use another "
                               "one") from None

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from zaya.checkpoint.commit import (COMMIT, STEP_DIR, is_complete, list_checkpoints, newest_loadable, read_meta,
-                                    unloadable, verification_problem)
+from zaya.checkpoint.commit import (COMMIT, METADATA, STEP_DIR, list_checkpoints, newest_loadable, read_commit,
+                                    read_meta, size_problem, unloadable, verification_problem)
 from zaya.checkpoint.errors import CheckpointError
 from zaya.checkpoint.reader import AllowListReader, check_entries, load_dcp
 from zaya.errors import ConfigError
@@ -58,9 +58,10 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = _stderr) -
         if chosen is None:
             raise CheckpointError(f"{path}: no checkpoint of the run passes verification ({'; '.join(failures)})")
         return "training", chosen
-    if (path / COMMIT).exists() or (path / ".metadata").exists():
-        if not is_complete(path):
-            raise CheckpointError(f"{path}: incomplete checkpoint (no valid COMMIT marker); not loaded")
+    if (path / COMMIT).exists() or (path / METADATA).exists():
+        incomplete = size_problem(path, read_commit(path))
+        if incomplete is not None:
+            raise CheckpointError(f"{path}: incomplete checkpoint ({incomplete}); not loaded")
         problem = verification_problem(path)
         if problem is not None:
             raise unloadable(path, problem)

@@ -56,6 +56,8 @@ def verify_checksums(directory: Path) -> set[str] | None:
         listed[name] = match.group(1)
     for name, expected in listed.items():
         file = manifest.parent / name
+        if not file.is_file():  # missing, or a FIFO or device a read would block on or never finish
+            raise CheckpointError(f"{file}, listed in {MANIFEST}, is missing or not a regular file; {_CHANGED}")
         try:
             actual = sha256_file(file)
         except OSError as exc:

@@ -231,6 +231,8 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype | None = None) -> 
     check_listed(directory, listed, [directory / ZAYA_META, weights])
     meta = read_zaya_meta(directory)
     cfg = model_config_from_dict(meta["model"], f"{directory / ZAYA_META} [model]")
+    if not weights.is_file():
+        raise CheckpointError(f"{weights} is missing or not a regular file; {DAMAGED}")
     model = build_from_state_dict(cfg, read_safetensors([weights]), str(weights), dtype)
     model.hf_config = meta.get("hf_config")
     model.hf_generation_config = meta.get("hf_generation_config")
