@@ -252,6 +252,28 @@ def test_inference_falls_back_to_the_previous_checkpoint_and_moves_nothing(tmp_p
     assert "fails its checksum" in err and str(step_dir(bad, 1)) in err
 
 
+def test_training_resume_skips_a_corrupt_checkpoint_it_cannot_move_aside(tmp_path, run, monkeypatch):
+    """On a run directory it cannot change, the store leaves the failed checkpoint in place and says so."""
+    from zaya.checkpoint.store import CheckpointStore
+    from zaya.config import CheckpointConfig
+    from zaya.dist.runtime import Runtime
+
+    bad = copy_run(run, tmp_path / "run")
+    (step_dir(bad) / "meta.json").write_text((step_dir(bad) / "meta.json").read_text().replace('"step"', '"stap"'))
+
+    def read_only(self, path, why="corrupt"):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(CheckpointStore, "_move_aside", read_only)
+    logs: list[str] = []
+    store = CheckpointStore(bad / "checkpoints", CheckpointConfig(ram_tier=False, ram_dir=str(tmp_path / "shm")),
+                            Runtime(), log=logs.append)
+    assert store.select("auto") == step_dir(bad, 1)
+    assert any("meta.json fails its checksum" in line and "left in place (Permission denied)" in line
+               for line in logs), logs
+    assert step_dir(bad).is_dir()
+
+
 def test_a_training_checkpoint_with_nan_weights_is_refused_for_inference(tmp_path, run):
     from zaya.checkpoint.parts import ModelState
     from zaya.checkpoint.store import CheckpointStore

@@ -40,11 +40,13 @@ of its own, so its collectives never interleave with training's. At most one sav
 save that falls due while one is writing waits for it or is skipped (``when_busy``).
 
 **Load**: ``select`` finds the newest checkpoint that passes verification (sizes, and checksums spread over
-the ranks); one that fails is reported, moved aside, and the previous one is tried: never a crash loop, never a silent
-load of a bad file. If every rank holds a RAM-tier copy of that step (ram_tier.py), ``load`` reads it from host
-memory instead of disk: each rank its own copy, the owners then broadcasting the replicated entries to the other
-ranks. Keys are fully qualified parameter names, so a disk checkpoint loads under another world size or another of
-DDP / ZeRO-1 / FSDP2.
+the ranks); one that fails is reported, moved aside (left in place where the run directory cannot be changed), and
+the previous one is tried (``commit.newest_loadable``, the rule inference follows too): never a crash loop, never a
+silent load of a bad file. If every rank holds a RAM-tier copy of that step (ram_tier.py), ``load`` reads it from
+host memory instead of disk: each rank its own copy, the owners then broadcasting the replicated entries to the other
+ranks. From disk, DCP's files are read through reader.py: ``.metadata`` through an allow-list, never a pickled
+object, every live tensor checked against it first. Keys are fully qualified parameter names, so a disk checkpoint
+loads under another world size or another of DDP / ZeRO-1 / FSDP2.
 
 Every collective goes through ``HostGroup`` (``Runtime.host_group``): two gloo groups of the store's own, one for
 the background save, one for the main thread's decisions and loads.
@@ -61,7 +63,6 @@ import shutil
 import threading
 import time
 import uuid
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
@@ -70,12 +71,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from zaya.checkpoint.commit import (COMMIT, META, STEP_DIR, FileRecord, checksum_file, checksum_problem,
-                                    is_complete, latest_checkpoint, list_checkpoints, new_checksum, read_commit,
-                                    read_meta, share_of_files, size_problem, step_dir_name, write_commit)
+from zaya.checkpoint.commit import (COMMIT, META, STEP_DIR, FileRecord, checksum_file, is_complete,
+                                    latest_checkpoint, list_checkpoints, new_checksum, newest_loadable, read_meta,
+                                    step_dir_name, unloadable, verification_problem, write_commit)
 from zaya.checkpoint.errors import CheckpointError
 from zaya.checkpoint.parts import ABSENT, merge_state, split_state
 from zaya.checkpoint.ram_tier import RamTier, ram_tier_directory, reassemble, restore_problem
+from zaya.checkpoint.reader import first_failure, load_dcp
 from zaya.checkpoint.staging import (HostBuffers, Ownership, assign_owners, local_view, ownership_rows, stage,
                                      tensor_bytes)
 from zaya.checkpoint.writer import ChecksummingWriter
@@ -119,13 +121,7 @@ def _describe(exc: BaseException, directory: Path | None = None, nbytes: int = 0
     """One line for an exception, with a hint for the errors a user can fix. With ``directory``, also the free
     space there: torch's file writers often report a full disk as an opaque RuntimeError."""
     full = str(exc)
-    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
-    if isinstance(failures, dict) and failures:
-        rank, (inner, _) = sorted(failures.items())[0]
-        exc = inner
-        prefix = f"rank {rank}: " + (f"(and {len(failures) - 1} more rank(s)) " if len(failures) > 1 else "")
-    else:
-        prefix = ""
+    prefix, exc = first_failure(exc)
     lines = str(exc).strip().splitlines()
     text = prefix + f"{type(exc).__name__}" + (f": {lines[0]}" if lines else "")
     causes = [exc]
@@ -146,11 +142,6 @@ def _describe(exc: BaseException, directory: Path | None = None, nbytes: int = 0
     if codes & {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}:
         text += " (the filesystem is full or refuses a file this large: free space or point train.run_dir elsewhere)"
     return text
-
-
-# DCP warns on every single-process save/load that it "assumes" no process group: intended here. A module-level
-# filter, because warnings.catch_warnings() is not thread-safe and the background save runs in a thread.
-warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
 
 
 class CheckpointStore:
@@ -516,10 +507,7 @@ class CheckpointStore:
     # -------------------------------------------------------------------------------------------------- load
     def _verify(self, path: Path) -> str | None:
         """Collective: why ``path`` must not be loaded, or None. Checksums are split over the ranks."""
-        records = read_commit(path)
-        problem = size_problem(path, records)
-        if problem is None and self.config.verify == "checksum":
-            problem = checksum_problem(path, share_of_files(records, self.rank, self.world_size), records)
+        problem = verification_problem(path, self.config.verify == "checksum", self.rank, self.world_size)
         problems = [p for p in self._ctl.all_gather_object(problem) if p]
         return problems[0] if problems else None
 
@@ -552,30 +540,33 @@ class CheckpointStore:
                 path = newest
             problem = self._verify(path)
             if problem is not None:
-                done = [p for p in list_checkpoints(path.parent) if p != path]
-                hint = f"; the newest other complete one is {done[-1]}" if done else ""
-                raise CheckpointError(f"{path}: cannot be loaded: {problem}{hint}")
+                raise unloadable(path, problem)
             self._abandon_newer_than(path)
             return path
 
-        candidates = self._ctl.broadcast_object([str(p) for p in list_checkpoints(self.directory)])
-        for name in reversed(candidates):
-            path = Path(name)
+        def problem_of(path: Path) -> str | None:
             step = int(STEP_DIR.match(path.name).group(1))
             if self.ram is not None and not self._ctl.any(not self.ram.holds(step, _save_id(path),
                                                                              self.config.ram_verify)):
                 self._ram_step = step
-                return path
-            problem = self._verify(path)
-            if problem is None:
-                return path
+                return None
+            return self._verify(path)
+
+        def skipped(path: Path, problem: str) -> None:
             if self.rank == 0:
-                aside = self._move_aside(path, "corrupt")
-                self.log(f"warning: checkpoint {path} failed verification ({problem}); moved to {aside}, trying "
-                         "the previous one")
+                try:
+                    where = f"moved to {self._move_aside(path, 'corrupt')}"
+                except OSError as exc:  # a run directory this process cannot change: skip it where it is
+                    where = f"left in place ({exc.strerror or exc})"
+                self.log(f"warning: checkpoint {path} failed verification ({problem}); {where}, trying the previous "
+                         "one")
             self._ctl.barrier()
-        self.forget_ram_tier()  # nothing to resume: a copy there belongs to something else
-        return None
+
+        candidates = self._ctl.broadcast_object([str(p) for p in list_checkpoints(self.directory)])
+        chosen = newest_loadable([Path(name) for name in candidates], problem_of, skipped)
+        if chosen is None:
+            self.forget_ram_tier()  # nothing to resume: a copy there belongs to something else
+        return chosen
 
     def _abandon_newer_than(self, path: Path) -> None:
         """Resuming this store's run from an older checkpoint starts a new timeline: the newer checkpoints of the
@@ -616,11 +607,7 @@ class CheckpointStore:
         if from_ram:
             from_ram = self._load_ram(path, flat)
         if not from_ram:
-            check_tensor_shapes(path, flat)
-            try:
-                dcp.load(flat, checkpoint_id=str(path), process_group=self._ctl.pg, no_dist=not self.distributed)
-            except (Exception, CheckpointException) as exc:
-                raise CheckpointError(f"{path}: cannot be loaded: {_describe(exc)}") from exc
+            load_dcp(path, flat, process_group=self._ctl.pg, distributed=self.distributed)
         with torch.no_grad():
             for name, part in parts.items():
                 part.load_state_dict(merge_state(meta.get(name, ABSENT), trees[name]))
@@ -661,24 +648,6 @@ def _save_id(path: Path) -> str | None:
         return json.loads((path / META).read_text()).get("save_id")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def check_tensor_shapes(path: Path, flat: Mapping[str, torch.Tensor]) -> None:
-    """Refuse a checkpoint that lacks one of the live tensors, or holds it with another shape, naming it."""
-    try:
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as exc:  # noqa: BLE001 - an unreadable .metadata is a corrupt checkpoint
-        raise CheckpointError(f"{path}/.metadata cannot be read ({exc})") from None
-    for key, tensor in flat.items():
-        part = key.split(".", 1)[0]
-        what = "a different model" if part == "model" else f"a different setup (checkpoint part {part!r})"
-        entry = saved.get(key)
-        if entry is None:
-            raise CheckpointError(f"{path}: has no tensor {key}: made for {what}")
-        shape = tuple(getattr(entry, "size", ()))
-        if shape != tuple(tensor.shape):
-            raise CheckpointError(f"{path}: tensor {key} has shape {list(shape)} there, {list(tensor.shape)} in "
-                                  f"this run: made for {what}")
 
 
 def check_model_config(meta: dict[str, Any], model_config: dict[str, Any], path: Path) -> None:
