@@ -275,3 +275,23 @@ def test_a_non_streaming_request_whose_client_leaves_is_aborted(guarded):
     _wait_for(lambda: request.finished, timeout=5)
     assert request.finish_reason == "abort" and len(request.output) < 120
     _wait_for(lambda: not engine.busy, timeout=5)
+
+
+def test_a_huge_prompt_stalls_nothing(server):
+    """A 4 MB prompt (under the default body limit) is refused as too long for the context after its first chunk
+    is counted, without holding the GIL: /health answers meanwhile (it stalled 6-12 s while the whole prompt was
+    tokenized on the event loop or with the GIL held)."""
+    url, _, _ = server
+    answer = {}
+    body = {"prompt": "To be, or not to be " * 200_000}
+    sender = threading.Thread(target=lambda: answer.setdefault("r", post_json(f"{url}/v1/completions", body)))
+    sender.start()
+    worst = 0.0
+    while sender.is_alive():
+        start = time.time()
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        worst = max(worst, time.time() - start)
+        time.sleep(0.02)
+    r = answer["r"]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+    assert worst < 2.0, f"/health took {worst:.1f} s"
