@@ -143,3 +143,51 @@ def test_a_final_save_that_fails_on_one_rank_stops_every_rank_with_exit_5(tmp_pa
     for r in results:
         assert r.exit_code == 5 and "checkpoint of step 2 failed" in r.error, r.error
     assert "No space left on device" in results[0].error
+
+
+# --- a full disk at start --------------------------------------------------------------------------------------------
+FULL_DISK_DRIVER = """
+import resource, signal, sys
+import tempfile, torch, zaya.train.trainer, zaya.data.prepare, zaya.checkpoint.store  # before the limit: imports
+from zaya.cli import main                                                               # write their caches
+tempfile.gettempdir()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # every write of a byte fails, as on a full disk
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_zaya_train_on_a_full_disk_at_start_exits_5_naming_the_run_directory(tmp_path, micro_config):
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", FULL_DISK_DRIVER, "train", "--config", str(micro_config(run)),
+                          "--max-steps", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 5, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"zaya: error: preparing the run directory: {run}: File too large (")
+    assert "MiB free there" in last and "train.run_dir (--run-dir)" in last and "Traceback" not in out.stderr
+
+
+def test_a_metrics_file_that_cannot_be_written_is_exit_5_naming_it(tmp_path):
+    from zaya.errors import DiskFullError
+    from zaya.train.metrics import MetricsLog
+
+    class Full:
+        def write(self, text):
+            return len(text)
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def close(self):
+            self.flush()
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", True)
+    log.write({"kind": "train", "step": 1})
+    log._fh.close()
+    log._fh = Full()
+    with pytest.raises(DiskFullError) as err:
+        log.write({"kind": "train", "step": 2})
+    assert str(err.value).startswith(f"writing metrics.jsonl: {tmp_path}: No space left on device (")
+    assert err.value.exit_code == 5
+    log.close()  # what it still held is lost, and was reported: closing does not raise again
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
