@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -43,6 +44,7 @@ from zaya.aegis.policy import Decision, Policy
 from zaya.aegis.sources import GpuCounters, KernelLog, LogTail, disk_free_mb, process_status
 from zaya.aegis.standby import STANDBY_ENV, SUPERVISOR_PID_ENV, write_go
 from zaya.config import Config
+from zaya.train.run_lock import JOB_ENV, RunLock
 
 _RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
 
@@ -96,6 +98,11 @@ class Supervisor:
         self.on_gpu = False
         self.nodes = int(str(launch.nnodes).split(":")[-1])
         self.standby: Standby | None = None
+        # The job id in the run directory's lock, handed to the ranks (zaya.train.run_lock): fresh per supervisor
+        # on one node; on several, the same on every node's supervisor (rank 0 may start on any node).
+        multi = self.nodes > 1 or bool(launch.rdzv_endpoint)
+        self.job = f"rdzv:{launch.rdzv_id or 'zaya'}@{launch.rdzv_endpoint}" if multi else uuid.uuid4().hex
+        self.lock: RunLock | None = None
 
     # --- the loop -------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -104,8 +111,18 @@ class Supervisor:
         start = time.time()
         # The trainer's own check, done first here: the Aegis directory then lives in a valid run directory, a
         # config mismatch fails before anything is launched, and --resume never moves the old run aside once.
+        # It takes the run directory's lock, held until the supervisor exits: a second job there is refused.
         if self.launch.node_rank in (None, 0):
-            prepare_run_dir(self.run_dir, self.config, self.launch.resume, self._say)
+            self.lock = prepare_run_dir(self.run_dir, self.config, self.launch.resume, self._say, role="supervisor",
+                                        job=self.job, accept=self.job if self.job.startswith("rdzv:") else None)
+        try:
+            return self._supervise(start)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+    def _supervise(self, start: float) -> int:
+        """Launch, watch, repair until the job finishes or is given up; returns the exit code."""
         self.aegis.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.aegis)
         resume = "auto" if self.launch.resume == "never" else self.launch.resume
@@ -183,7 +200,7 @@ class Supervisor:
     def _spawn(self, cmd: list[str], attempt: int, extra_env: dict[str, str]):
         """Start a torchrun for ``attempt`` with its output read into attempt-NNN.log and a queue of lines."""
         env = {**os.environ, AEGIS_DIR_ENV: str(self.aegis), ATTEMPT_ENV: str(attempt), "PYTHONUNBUFFERED": "1",
-               **extra_env}
+               JOB_ENV: self.job, **extra_env}
         if self.launch.chaos:
             env[CHAOS_ENV] = self.launch.chaos
         if self.on_gpu and self.slots != list(range(self.launch.nproc_per_node)):

@@ -5,9 +5,11 @@
     <run_dir>/metrics.jsonl     one record per step and per evaluation
     <run_dir>/checkpoints/      training checkpoints (zaya.checkpoint.store)
     <run_dir>/plots/            written at the end of a run and by ``zaya plot``
+    <run_dir>/job.lock, rank0.lock   one job at a time (zaya.train.run_lock)
 
 A run directory belongs to one config: resuming with a config that differs in a key that changes what is computed
-(any field not declared ``resumable`` in zaya.config) is refused, naming the keys.
+(any field not declared ``resumable`` in zaya.config) is refused, naming the keys. It belongs to one job at a time:
+``prepare_run_dir`` takes its lock first, so a second job there is refused naming the holder.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Callable
 
 from zaya.config import Config, config_differences, dump_config, load_config
 from zaya.errors import ConfigError
+from zaya.train.run_lock import LOCK_FILES, RunLock, lock_run_dir
 
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
@@ -25,29 +28,55 @@ TOKENIZER_FILE = "tokenizer.json"
 CHECKPOINTS = "checkpoints"
 
 
-def prepare_run_dir(run_dir: Path, config: Config, resume: str, say: Callable[[str], None]) -> None:
-    """Rank 0: refuse a run directory owned by a different config; with ``--resume never`` move an old run aside;
-    write config.toml."""
+def prepare_run_dir(run_dir: Path, config: Config, resume: str, say: Callable[[str], None], role: str = "rank0",
+                    job: str | None = None, accept: str | None = None) -> RunLock:
+    """Take the run directory (its lock, for ``role``: ``zaya.train.run_lock.lock_run_dir``), refuse one owned by
+    a different config, move an old run aside with ``--resume never`` (only the lock's own holder does: a
+    supervisor's ranks leave that to it), write config.toml. Returns the lock, to be released when the job ends."""
     existing = run_dir / CONFIG_FILE
-    if resume == "never" and run_dir.exists() and any(run_dir.iterdir()):
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
-        aside = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}")
-        run_dir.rename(aside)
-        say(f"--resume never: moved the previous run in {run_dir} to {aside}")
-    elif existing.is_file():
-        try:
-            old = load_config(existing)
-        except ConfigError as err:
-            raise ConfigError(f"{run_dir} holds a run whose {CONFIG_FILE} cannot be read ({err}); use "
-                              "--resume never to move it aside, or another --run-dir") from None
-        diff = config_differences(old, config)
-        if diff:
-            shown = ", ".join(diff[:6]) + (" ..." if len(diff) > 6 else "")
-            raise ConfigError(f"{run_dir} belongs to a run with a different config ({shown} differ); resume it "
-                              f"with its own config ({existing}), or pass --resume never (moves it aside) or "
-                              "another --run-dir")
-    elif run_dir.exists() and any(p.name not in (CHECKPOINTS,) for p in run_dir.iterdir()):
+    if resume != "never" and not existing.is_file() and run_dir.exists() \
+            and any(p.name not in (CHECKPOINTS, *LOCK_FILES) for p in run_dir.iterdir()):
         raise ConfigError(f"{run_dir} exists and is not a zaya run directory (no {CONFIG_FILE}); choose another "
                           "--run-dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(config, run_dir / CONFIG_FILE)
+    lock = lock_run_dir(run_dir, role, say, job=job, accept=accept)
+    try:
+        if resume == "never":
+            if lock.owned and any(p.name not in LOCK_FILES for p in run_dir.iterdir()):
+                lock = _move_aside(run_dir, lock, role, say)
+        elif existing.is_file():
+            _check_config(run_dir, existing, config)
+        dump_config(config, run_dir / CONFIG_FILE)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _check_config(run_dir: Path, existing: Path, config: Config) -> None:
+    try:
+        old = load_config(existing)
+    except ConfigError as err:
+        raise ConfigError(f"{run_dir} holds a run whose {CONFIG_FILE} cannot be read ({err}); use "
+                          "--resume never to move it aside, or another --run-dir") from None
+    diff = config_differences(old, config)
+    if diff:
+        shown = ", ".join(diff[:6]) + (" ..." if len(diff) > 6 else "")
+        raise ConfigError(f"{run_dir} belongs to a run with a different config ({shown} differ); resume it "
+                          f"with its own config ({existing}), or pass --resume never (moves it aside) or "
+                          "another --run-dir")
+
+
+def _move_aside(run_dir: Path, lock: RunLock, role: str, say: Callable[[str], None]) -> RunLock:
+    """``--resume never``: rename the old run (still locked by us, so no other job is in it) to
+    ``NAME.replaced-STAMP``, then take the new, empty directory; returns its lock."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+    aside = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}")
+    n = 1
+    while aside.exists():
+        aside, n = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}-{n}"), n + 1
+    run_dir.rename(aside)
+    say(f"--resume never: moved the previous run in {run_dir} to {aside}")
+    try:
+        return lock_run_dir(run_dir, role, say, job=lock.job)
+    finally:
+        lock.release()  # the lock of the directory now at ``aside``

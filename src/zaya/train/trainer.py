@@ -42,6 +42,7 @@ from zaya.optim.build import peak_lrs, set_lr
 from zaya.train.callbacks import Callback, MetricsFile, Plots, ProgressDisplay, Sample
 from zaya.train.metrics import RUN_DIR_ELSEWHERE
 from zaya.train.run_dir import CHECKPOINTS, METRICS_FILE, TOKENIZER_FILE, prepare_run_dir
+from zaya.train.run_lock import RunLock
 from zaya.train.schedule import Schedule, stage_at
 from zaya.train.routing_probe import RoutingProbe, probe_sequence
 from zaya.train.state import Progress, RNGState
@@ -90,6 +91,9 @@ class _StopRequest:
 class Trainer:
     """A training run assembled from its parts; see the module docstring. Build it with ``Trainer.build``."""
 
+    run_lock: RunLock | None = None
+    """Rank 0's hold on the run directory (one job per run directory), released by ``close()``."""
+
     def __init__(self, config: Config, runtime: Runtime, *, run_dir: Path, datasets: dict, schedule: Schedule,
                  loader, parallel, optimizers: list, store, callbacks: list[Callback], say) -> None:
         self.config, self.runtime, self.run_dir = config, runtime, run_dir
@@ -137,7 +141,8 @@ class Trainer:
         run_dir = Path(tc.run_dir)
         built: list[Any] = []
         try:
-            _prepare_run_dir(config, runtime, run_dir, resume, say)
+            lock = _prepare_run_dir(config, runtime, run_dir, resume, say)
+            built += [lock] if lock is not None else []
             datasets, loader = build_data(config, runtime, say)
             built.append(loader)
             if runtime.is_main:
@@ -162,6 +167,7 @@ class Trainer:
         trainer = cls(config, runtime, run_dir=run_dir, datasets=datasets, schedule=Schedule(config, runtime.dp_size),
                       loader=loader, parallel=parallel, optimizers=optimizers, store=store,
                       callbacks=standard + extra, say=say)
+        trainer.run_lock = lock
         try:
             trainer._resume(resume)
             trainer._describe()
@@ -498,20 +504,29 @@ class Trainer:
         for callback in self.callbacks:
             if callable(getattr(callback, "close", None)):
                 callback.close()
+        if self.run_lock is not None:  # last: the run directory is free once nothing writes to it
+            self.run_lock.release()
 
 
-def _prepare_run_dir(config: Config, rt: Runtime, run_dir: Path, resume: str, say) -> None:
-    """Rank 0 prepares the run directory; then every rank must see it (a marker file)."""
+def _prepare_run_dir(config: Config, rt: Runtime, run_dir: Path, resume: str, say) -> RunLock | None:
+    """Rank 0 takes the run directory (its lock: one job per run directory) and prepares it; then every rank must
+    see it (a marker file). Returns rank 0's lock (None on the other ranks)."""
     from zaya.dist.shared_fs import check_shared_directory
 
-    error = None
+    error, lock = None, None
     if rt.is_main:
         try:
-            prepare_run_dir(run_dir, config, resume, say)
+            lock = prepare_run_dir(run_dir, config, resume, say)
         except Exception as exc:  # every rank must learn that rank 0 failed, or they hang in the next collective
             error = disk_full(exc, run_dir, "preparing the run directory", RUN_DIR_ELSEWHERE) or exc
-    rt.agree(error, "start-up (the run directory)")
-    check_shared_directory(rt, run_dir, "train.run_dir")
+    try:
+        rt.agree(error, "start-up (the run directory)")
+        check_shared_directory(rt, run_dir, "train.run_dir")
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
 
 
 class full_sequences:  # noqa: N801 - a context manager used like a function
