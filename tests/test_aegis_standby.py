@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from zaya.aegis.standby import STANDBY_ENV, SUPERVISOR_PID_ENV, wait_for_go, write_go
+from zaya.aegis.lineage import SUPERVISOR_PID_ENV, SUPERVISOR_START_ENV
+from zaya.aegis.standby import STANDBY_ENV, wait_for_go, write_go
 
 
 def test_a_waiting_rank_goes_on_with_the_resume_of_the_go_file(tmp_path):
@@ -30,7 +31,8 @@ def test_a_standby_whose_supervisor_is_gone_exits_by_itself(tmp_path):
     gone.wait()  # a pid that no longer runs
     code = ("import os, sys; from zaya.aegis.standby import wait_for_go; "
             "wait_for_go(os.environ['ZAYA_AEGIS_STANDBY']); sys.exit(3)")
-    env = {**os.environ, STANDBY_ENV: str(tmp_path / "never.go"), SUPERVISOR_PID_ENV: str(gone.pid)}
+    env = {**os.environ, STANDBY_ENV: str(tmp_path / "never.go"), SUPERVISOR_PID_ENV: str(gone.pid),
+           SUPERVISOR_START_ENV: repr(time.time())}
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr  # 3 would mean it went on as if released

@@ -4,8 +4,9 @@ A plan is a JSON list of faults, each ``{"kind": K, "step": S, "rank": R, "attem
 (null: every rank) right after step S of launch A (null: every launch; "repeat past the limit" tests use that).
 ``ZAYA_CHAOS=PLAN`` makes every rank run ``ChaosHook``, a trainer callback, so injection needs no edits across the
 trainer. ``zaya chaos inject RUN_DIR KIND`` injects into a live supervised run at once: signals go straight to the
-rank's pid (from its heartbeat), log lines into the watched log, and in-trainer kinds as a request file the hook
-picks up after the next step (the run must have been started with ``zaya run --chaos``).
+rank's pid (from its heartbeat, once the pid is checked to still be that rank: not exited, on this host, the same
+process start time, a ``zaya train`` command line), log lines into the watched log, and in-trainer kinds as a
+request file the hook picks up after the next step (the run must have been started with ``zaya run --chaos``).
 
 Kinds: ``kill`` (SIGKILL), ``hang`` (SIGSTOP), ``raise`` (an exception: exit 70), ``nan`` (the next step's
 gradient is NaN), ``slow`` (``seconds`` of busy CPU work in each of ``steps`` steps: a straggler), ``stall`` (one
@@ -24,6 +25,8 @@ import signal
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from zaya.aegis import ATTEMPT_ENV, CHAOS_ENV
 from zaya.errors import ConfigError
@@ -215,6 +218,23 @@ def _busy(seconds: float) -> None:
         x += 1
 
 
+def _live_rank(run_dir: Path, rank: int, hb: dict[str, Any] | None) -> psutil.Process:
+    """The live process of ``rank``, checked against its heartbeat (phase, host, pid, start time, command line):
+    a signal goes to that rank or nowhere."""
+    from zaya.aegis.heartbeat import rank_process
+
+    if hb is None:
+        raise ConfigError(f"{run_dir}: no heartbeat of rank {rank} (is `zaya run` training there?)")
+    if hb.get("phase") == "exited":
+        raise ConfigError(f"{run_dir}: rank {rank} has exited (its heartbeat says exit code {hb.get('exit_code')}); "
+                          "there is no live rank to signal: inject into a run that is training")
+    proc, why = rank_process(hb)
+    if proc is None:
+        raise ConfigError(f"{run_dir}: refusing to signal rank {rank}: {why}. Its heartbeat is stale: inject into "
+                          "a run that is training now (run `zaya chaos` on the rank's host)")
+    return proc
+
+
 def request(run_dir: Path, kind: str, rank: int, **options: Any) -> str:
     """Inject ``kind`` into a live supervised run now (``zaya chaos inject``); returns what was done."""
     from zaya.aegis import aegis_dir
@@ -226,13 +246,15 @@ def request(run_dir: Path, kind: str, rank: int, **options: Any) -> str:
     beats = read_heartbeats(aegis)
     fault = {"kind": kind, "rank": rank, **options}
     if kind in ("kill", "hang"):
-        if rank not in beats:
-            raise ConfigError(f"{run_dir}: no heartbeat of rank {rank} (is `zaya run` training there?)")
-        pid = beats[rank]["pid"]
+        proc = _live_rank(run_dir, rank, beats.get(rank))
         record_injection(aegis, fault, injected_rank=rank, injected_step=beats[rank].get("step"),
                          attempt=beats[rank].get("attempt"))
-        os.kill(pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-        return f"sent {'SIGKILL' if kind == 'kill' else 'SIGSTOP'} to rank {rank} (pid {pid})"
+        try:
+            proc.send_signal(signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        except psutil.NoSuchProcess:  # it ended (or its pid was taken) since the check: psutil signals nothing
+            raise ConfigError(f"{run_dir}: rank {rank} (pid {proc.pid}) ended before the signal; nothing was "
+                              "sent") from None
+        return f"sent {'SIGKILL' if kind == 'kill' else 'SIGSTOP'} to rank {rank} (pid {proc.pid})"
     if kind in LOG_LINES:
         log = options.get("log")
         if not log:

@@ -1,7 +1,8 @@
 """Per-rank heartbeats: a trainer callback writes a small JSON file per rank (``heartbeat/rank-NNNNN.json`` in the
 Aegis directory), atomically (write, then rename), at start-up, after every step, around evaluations and saves,
 and when the rank ends. The supervisor reads them to see progress (a hang is a heartbeat too old for its phase),
-step times and losses per rank, the rank's pid and device, and how each rank ended (its exit code).
+step times and losses per rank, the rank's pid (with its process start time, so that a reused pid is never
+taken for the rank) and device, and how each rank ended (its exit code).
 
 A heartbeat says which phase comes next, so the supervisor applies the right timeout: after the step that an
 evaluation or a checkpoint follows, the phase is already "eval" or "checkpoint" (the trainer's loop order:
@@ -18,6 +19,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from zaya import procs
+from zaya.aegis.lineage import live_process
 from zaya.errors import exit_code_of
 from zaya.train.callbacks import Callback
 
@@ -59,7 +64,7 @@ class Heartbeat(Callback):
         self.path = heartbeat_dir(aegis) / f"rank-{self.rank:05d}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.doc: dict[str, Any] = {"rank": self.rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-                                    "pid": os.getpid(), "host": socket.gethostname(),
+                                    **procs.record(),  # host, pid and its start time
                                     "attempt": int(os.environ.get("ZAYA_AEGIS_ATTEMPT", "0")), "step": 0,
                                     "loss": None, "step_time_s": None, "busy_s": None, "phase": "startup",
                                     "device": None, "resumed_step": None, "resumed_source": None}
@@ -134,6 +139,37 @@ def read_heartbeats(aegis: Path) -> dict[int, dict[str, Any]]:
             continue
         out[int(doc["rank"])] = doc
     return out
+
+
+def rank_process(hb: dict[str, Any]) -> tuple[psutil.Process | None, str]:
+    """The process a heartbeat names, when it still is that rank: on this host, running, started when the
+    heartbeat says (its pid was not reused) and running ``zaya train``; else (None, why). Whatever is about to
+    signal a heartbeat's pid asks this first."""
+    pid, host = hb.get("pid"), hb.get("host")
+    if host != socket.gethostname():
+        return None, f"it runs on host {host}, not on this one ({socket.gethostname()})"
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None, f"its heartbeat names no valid pid ({pid!r})"
+    started = hb.get("started")
+    if not isinstance(started, (int, float)) or isinstance(started, bool):
+        return None, f"its heartbeat has no process start time to check pid {pid} against"
+    proc = live_process(pid, started)
+    if proc is None:
+        return None, f"pid {pid} no longer runs the process started at {started:.2f} (it exited, or the pid now " \
+                     "names another process)"
+    try:
+        args = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied) as exc:
+        return None, f"the command line of pid {pid} cannot be read ({type(exc).__name__})"
+    if not is_rank_command(args):
+        return None, f"pid {pid} is not a zaya rank (it runs: {' '.join(args)[:200]})"
+    return proc, ""
+
+
+def is_rank_command(args: list[str]) -> bool:
+    """A ``zaya train`` command line: ``python -m zaya train ...`` (torchrun's ranks) or ``.../zaya train ...``."""
+    names = [os.path.basename(a) for a in args]
+    return any(n in ("zaya", "zaya.__main__") and "train" in args[i + 1:] for i, n in enumerate(names))
 
 
 def clear_heartbeats(aegis: Path) -> None:

@@ -10,13 +10,16 @@ import errno
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from zaya.aegis.detectors import Line
+from zaya.aegis.heartbeat import rank_process
 
 
 class LogTail:
@@ -139,12 +142,16 @@ class GpuCounters:
         return out
 
 
-def process_status(pids: dict[int, int]) -> dict[int, str]:
-    """psutil status of each rank's pid ("gone" when it no longer exists)."""
+def process_status(beats: dict[int, dict[str, Any]]) -> dict[int, str]:
+    """psutil status of each rank on this host, by its heartbeat ("gone" when its pid no longer is that rank:
+    ``heartbeat.rank_process``); ranks on other hosts are left out."""
     out = {}
-    for rank, pid in pids.items():
+    for rank, hb in beats.items():
+        if hb.get("host") != socket.gethostname():
+            continue
+        proc, _ = rank_process(hb)
         try:
-            out[rank] = psutil.Process(pid).status()
+            out[rank] = proc.status() if proc is not None else "gone"
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             out[rank] = "gone"
     return out

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
+from zaya.aegis.lineage import supervisor_gone
+
 STANDBY_ENV = "ZAYA_AEGIS_STANDBY"
-"""Set by the supervisor for a standby's ranks: the go file to wait for."""
-SUPERVISOR_PID_ENV = "ZAYA_AEGIS_SUPERVISOR_PID"
-"""Set with ``STANDBY_ENV``: the supervisor's pid; a standby whose supervisor has exited ends too."""
+"""Set by the supervisor for a standby's ranks: the go file to wait for (with the supervisor's identity,
+``zaya.aegis.lineage``: a standby whose supervisor has exited ends too)."""
 
 PRELOAD = ("zaya.train.trainer", "zaya.train.build", "zaya.checkpoint.store", "zaya.checkpoint.parts",
            "zaya.aegis.heartbeat", "zaya.aegis.directives", "zaya.aegis.chaos")
@@ -44,7 +44,6 @@ def wait_for_go(path: str | Path, poll_s: float = POLL_S) -> str:
     for name in PRELOAD:
         importlib.import_module(name)
     path = Path(path)
-    owner = int(os.environ.get(SUPERVISOR_PID_ENV, "0"))
     checked = time.monotonic()
     while True:
         try:
@@ -53,18 +52,8 @@ def wait_for_go(path: str | Path, poll_s: float = POLL_S) -> str:
             pass
         except (ValueError, KeyError, TypeError) as exc:
             raise RuntimeError(f"{path}: not a standby go file ({exc}); only the Aegis supervisor writes it") from exc
-        if owner and time.monotonic() - checked > 1.0:
+        if time.monotonic() - checked > 1.0:
             checked = time.monotonic()
-            if not _alive(owner):
+            if supervisor_gone():
                 sys.exit(0)
         time.sleep(poll_s)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process took the pid: ours is gone
-        return False
-    return True

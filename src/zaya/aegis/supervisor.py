@@ -39,10 +39,11 @@ from zaya.aegis import AEGIS_DIR_ENV, ATTEMPT_ENV, CHAOS_ENV, aegis_dir
 from zaya.aegis.detectors import Finding, Line, Observation, build_detectors, diagnose
 from zaya.aegis.directives import add_directive
 from zaya.aegis.events import EventLog
-from zaya.aegis.heartbeat import clear_heartbeats, read_heartbeats
+from zaya.aegis.heartbeat import clear_heartbeats, rank_process, read_heartbeats
+from zaya.aegis.lineage import parent_death_signal, supervisor_env
 from zaya.aegis.policy import Decision, Policy
 from zaya.aegis.sources import GpuCounters, KernelLog, LogTail, disk_free_mb, process_status
-from zaya.aegis.standby import STANDBY_ENV, SUPERVISOR_PID_ENV, write_go
+from zaya.aegis.standby import STANDBY_ENV, write_go
 from zaya.config import Config
 from zaya.train.run_lock import JOB_ENV, RunLock
 
@@ -200,7 +201,7 @@ class Supervisor:
     def _spawn(self, cmd: list[str], attempt: int, extra_env: dict[str, str]):
         """Start a torchrun for ``attempt`` with its output read into attempt-NNN.log and a queue of lines."""
         env = {**os.environ, AEGIS_DIR_ENV: str(self.aegis), ATTEMPT_ENV: str(attempt), "PYTHONUNBUFFERED": "1",
-               JOB_ENV: self.job, **extra_env}
+               JOB_ENV: self.job, **supervisor_env(self.cfg.graceful_stop_s), **extra_env}
         if self.launch.chaos:
             env[CHAOS_ENV] = self.launch.chaos
         if self.on_gpu and self.slots != list(range(self.launch.nproc_per_node)):
@@ -208,8 +209,11 @@ class Supervisor:
             physical = visible.split(",") if visible else [str(i) for i in range(256)]
             env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = ",".join(physical[s] for s in self.slots)
         log = open(self.aegis / f"attempt-{attempt:03d}.log", "w", encoding="utf-8")
+        # The agent dies with this process, however this one dies; its ranks watch this process themselves and
+        # stop with a checkpoint (zaya.aegis.lineage).
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True, bufsize=1, errors="replace")
+                                start_new_session=True, bufsize=1, errors="replace",
+                                preexec_fn=parent_death_signal())
         lines: "queue.Queue[Line]" = queue.Queue()
         reader = threading.Thread(target=self._read_output, args=(proc, log, lines), daemon=True)
         reader.start()
@@ -227,7 +231,7 @@ class Supervisor:
         go = self.aegis / f"standby-{attempt:03d}.go"
         go.unlink(missing_ok=True)
         cmd = self._command("auto")  # the go file carries the real --resume
-        proc, reader, lines = self._spawn(cmd, attempt, {STANDBY_ENV: str(go), SUPERVISOR_PID_ENV: str(os.getpid())})
+        proc, reader, lines = self._spawn(cmd, attempt, {STANDBY_ENV: str(go)})
         self.standby = Standby(proc, reader, lines, attempt, list(self.slots), go, cmd)
         self.events.add(kind="standby", attempt=attempt, slots=self.slots)
 
@@ -293,8 +297,7 @@ class Supervisor:
             obs = Observation(now=now, launched_at=launched, world_size=world, heartbeats=beats, lines=seen,
                               new_lines=new, metrics=self._new_metrics(), ended=code is not None,
                               job_exit_code=code,
-                              process_status=process_status({r: hb["pid"] for r, hb in beats.items()
-                                                             if hb.get("host") == socket.gethostname()}),
+                              process_status=process_status(beats),
                               disk_free_mb=disk_free_mb(self.run_dir))
             if self.stop_signal:
                 self._stop_gracefully()
@@ -447,11 +450,9 @@ class Supervisor:
             except psutil.NoSuchProcess:
                 pass
         for hb in read_heartbeats(self.aegis).values():
-            if hb.get("host") == socket.gethostname() and hb.get("pid") not in [p.pid for p in procs]:
-                try:
-                    procs.append(psutil.Process(hb["pid"]))
-                except psutil.NoSuchProcess:
-                    pass
+            proc, _ = rank_process(hb)  # never a pid the rank no longer holds
+            if proc is not None and proc.pid not in [p.pid for p in procs]:
+                procs.append(proc)
         return procs
 
     def _stop_gracefully(self) -> None:
