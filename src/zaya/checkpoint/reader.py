@@ -39,13 +39,13 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata, _MEM_FORMAT_ENCODING)
 from torch.serialization import _get_layout
 
+from zaya.checkpoint.commit import METADATA
 from zaya.checkpoint.errors import CheckpointError
 
 # DCP warns on every single-process save/load that it "assumes" no process group: intended here. A module-level
 # filter, because warnings.catch_warnings() is not thread-safe and the background save runs in a thread.
 warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
 
-METADATA = ".metadata"
 UNTRUSTED = ("this is not a checkpoint zaya wrote, or it was altered since (possibly maliciously): do not load it; "
              "use a checkpoint from a source you trust")
 
