@@ -130,3 +130,22 @@ def test_non_finite_floats_in_toml_lists_and_tables_are_config_errors(tmp_path, 
     assert "c.toml" in str(err.value) and f"{where}: must be a finite number" in str(err.value)
     finite = text.replace("-inf", "0.5").replace("inf", "0.5").replace("nan", "0.5")
     load_config(write(tmp_path, finite))
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("optim.lr=1e300", "[optim].lr = 1e+300: must be a finite number within float32's range"),
+    ("model.qk_temperature_init=-1e39", "[model].qk_temperature_init = -1e+39: must be a finite number"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay = -0.1: must be >= 0"),
+    ("optim.betas=[1.0, 0.9]", "optim.betas = (1.0, 0.9): must be in [0, 1)"),
+    ("optim.muon_momentum=-0.5", "optim.muon_momentum = -0.5: must be in [0, 1)"),
+    ("optim.muon_lr=-1", "optim.muon_lr = -1.0: must be >= 0 (0 = optim.lr)"),
+    ("optim.grad_clip=-1", "optim.grad_clip = -1.0: must be >= 0 (0 = no clipping)"),
+    ("train.timeout_s=0", "train.timeout_s = 0.0: must be in (0, 1e+12] seconds"),
+    ("train.startup_timeout_s=1e15", "train.startup_timeout_s = 1000000000000000.0: must be in (0, 1e+12]"),
+])
+def test_floats_the_optimizers_or_timers_cannot_take_are_config_errors(override, needle):
+    """Each of these passed the config and ended in a traceback (exit 70) when the run built its optimizers, cast
+    the value into a float32 tensor or made a collective's timeout."""
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny.toml", [override])
+    assert needle in str(err.value), str(err.value)

@@ -231,6 +231,14 @@ class OptimConfig:
             raise ConfigError(f'optim.muon_distributed = {self.muon_distributed!r}: "auto" or "local"')
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"optim.lr = {self.lr}, optim.min_lr = {self.min_lr}: need 0 <= min_lr <= lr, lr > 0")
+        # The optimizers' own rules (torch's AdamW, Muon's momentum), checked here so they fail at load naming the key.
+        for key, value in (("betas", self.betas[0]), ("betas", self.betas[1]), ("muon_momentum", self.muon_momentum)):
+            if not 0 <= value < 1:
+                raise ConfigError(f"optim.{key} = {getattr(self, key)!r}: must be in [0, 1)")
+        for key, zero in (("eps", ""), ("weight_decay", ""), ("muon_lr", " (0 = optim.lr)"),
+                          ("grad_clip", " (0 = no clipping)")):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"optim.{key} = {getattr(self, key)!r}: must be >= 0{zero}")
         if self.warmup_steps < 0 or self.schedule_steps < 0 or not 0 <= self.decay_fraction <= 1:
             raise ConfigError("optim.warmup_steps and optim.schedule_steps must be >= 0, optim.decay_fraction in "
                               "[0, 1]")
@@ -311,6 +319,9 @@ class TrainConfig:
                               'or "ring"')
         if self.on_nan not in ("stop", "skip"):
             raise ConfigError(f'train.on_nan = {self.on_nan!r}: must be "stop" or "skip"')
+        for key in ("timeout_s", "startup_timeout_s"):  # a collective's timeout: a timedelta (at most ~2.7e6 years)
+            if not 0 < getattr(self, key) <= MAX_TIMEOUT_S:
+                raise ConfigError(f"train.{key} = {getattr(self, key)!r}: must be in (0, {MAX_TIMEOUT_S:g}] seconds")
         if not isinstance(self.device, str) or not self.device.strip():
             raise ConfigError(f'train.device = {self.device!r}: must be "auto", "cpu", "cuda" or "cuda:N"')
         points = [t for t, _ in self.batch_ramp]
@@ -636,12 +647,18 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
         except _NonFinite as err:
             default = next(f.default for f in fields(cls) if f.name == key)
             fix = f" (the default is {default!r})" if default is not dataclasses.MISSING else ""
-            raise ConfigError(f"{err}: must be a finite number (nan and inf are not values a run can use); write "
-                              f"a finite one{fix}") from None
+            raise ConfigError(f"{err}: must be a finite number within float32's range (+-3.4e38; nan and inf are "
+                              f"not values a run can use); write a finite one{fix}") from None
     try:
         return cls(**kwargs)
     except ConfigError as err:
         raise ConfigError(f"{where.rsplit('[', 1)[0]}: {err}") from None
+
+
+MAX_TIMEOUT_S = 1e12
+"""The longest timeout a config may set (about 31,700 years: beyond any run, within what a timedelta holds)."""
+FLOAT_LIMIT = 3.4028234663852886e38
+"""The largest float32: every config float reaches a float32 tensor, a timer or a rate, where a larger one overflows."""
 
 
 class _NonFinite(ConfigError):
@@ -652,7 +669,7 @@ class _NonFinite(ConfigError):
 def _check_type(value: Any, hint: Any, where: str) -> Any:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if hint is float and isinstance(value, float) and not math.isfinite(value):
+    if hint is float and isinstance(value, float) and not (math.isfinite(value) and abs(value) <= FLOAT_LIMIT):
         raise _NonFinite(f"{where} = {value!r}")
     if hint in (int, float, str, bool):
         if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
