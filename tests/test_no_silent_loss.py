@@ -53,26 +53,39 @@ def fail_writes(monkeypatch, when) -> None:
     monkeypatch.setattr(writer._ChecksummingStream, "write", write)
 
 
-def fail_the_final_save(monkeypatch) -> None:
-    from zaya.checkpoint.store import CheckpointStore
+def fail_the_final_save(monkeypatch, where: str = "writer") -> None:
+    """The final save fails with ENOSPC: while DCP writes the tensors (``writer``), or while rank 0 commits
+    (``commit``: meta.json and COMMIT)."""
+    from zaya.checkpoint import store
 
-    real, state = CheckpointStore.save, {"final": False}
+    real, state = store.CheckpointStore.save, {"final": False}
 
     def save(self, *args, **kwargs):
         state["final"] = kwargs.get("closing") == "final"
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(CheckpointStore, "save", save)
-    fail_writes(monkeypatch, lambda: state["final"])
+    monkeypatch.setattr(store.CheckpointStore, "save", save)
+    if where == "writer":
+        fail_writes(monkeypatch, lambda: state["final"])
+        return
+    real_commit = store.write_commit
+
+    def write_commit(*args, **kwargs):
+        if state["final"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_commit(*args, **kwargs)
+
+    monkeypatch.setattr(store, "write_commit", write_commit)
 
 
 # --- a failed closing checkpoint -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("async_save", [True, False])
+@pytest.mark.parametrize("async_save,where", [(True, "writer"), (False, "commit")])
 def test_a_failed_final_save_stops_with_the_newest_good_checkpoint_whatever_on_error_says(
-        tmp_path, micro_config, monkeypatch, async_save):
+        tmp_path, micro_config, monkeypatch, async_save, where):
+    """With async saves the periodic save of step 2 may still be in flight when the final one starts."""
     from zaya.train.trainer import train
 
-    fail_the_final_save(monkeypatch)
+    fail_the_final_save(monkeypatch, where)
     run = tmp_path / "run"
     config = load_config(micro_config(run), ["train.max_steps=3", "checkpoint.every=2", "train.eval_every=0",
                                              "train.sample_tokens=0", 'checkpoint.on_error="continue"',

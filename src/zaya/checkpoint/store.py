@@ -271,7 +271,7 @@ class CheckpointStore:
             try:
                 outcome = self._write(step, staged, replicated, doc, ram_copy)
             except BaseException as exc:  # noqa: BLE001 - reported through the outcome, never lost in a thread
-                outcome = SaveOutcome(step, False, error=_describe(exc))
+                outcome = SaveOutcome(step, False, error=_describe(exc, self.directory))
             outcome.nbytes, outcome.rank_bytes, outcome.asynchronous = nbytes, rank_bytes, True
             outcome.blocked_seconds, outcome.seconds = blocked, time.perf_counter() - t0
             self._result = outcome
@@ -369,7 +369,7 @@ class CheckpointStore:
                 partial.mkdir()
                 save_id = uuid.uuid4().hex
             except OSError as exc:
-                error = _describe(exc)
+                error = _describe(exc, self.directory)
         error, save_id = group.broadcast_object((error, save_id))
         if error:
             return SaveOutcome(step, False, error=error)
@@ -385,7 +385,7 @@ class CheckpointStore:
             try:
                 records = self._checksum_own_files(partial, writer.checksums(partial))
             except OSError as exc:
-                local_error = _describe(exc)
+                local_error = _describe(exc, self.directory)
         notes: list[str] = []
         if self.ram is not None and ram_copy:
             self.ram.invalidate()  # whatever happens next, the copy there now is older than the disk's newest
@@ -403,7 +403,7 @@ class CheckpointStore:
                     outcome = self._commit(step, partial, final, doc, {k: v for _, r in gathered
                                                                        for k, v in r.items()})
                 except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks as an outcome
-                    outcome.error = _describe(exc)
+                    outcome.error = _describe(exc, self.directory)
             if not outcome.ok:
                 shutil.rmtree(partial, ignore_errors=True)
         outcome = group.broadcast_object(outcome)
