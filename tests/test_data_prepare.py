@@ -621,27 +621,27 @@ def test_a_killed_prepares_folder_is_removed_when_its_owner_has_ended_and_report
     from zaya.data import leftovers
 
     path = write_jsonl(tmp_path / "a.jsonl", ["some text", "more text"])
-    out = tmp_path / "ds"
+    out = tmp_path / "ds[1]"  # glob characters in the name: matched as text
     owners = {"dead": ended_process(), "live": procs.record(),
               "remote": {**procs.record(), "host": socket.gethostname() + "-elsewhere"}, "unrecorded": None}
     for name, owner in owners.items():
-        folder = tmp_path / f".ds.tmp-{name}"
+        folder = tmp_path / f".ds[1].tmp-{name}"
         (folder / "train-00000.zb").parent.mkdir()
         (folder / "train-00000.zb").write_bytes(b"partial")
         if owner is not None:
             (folder / leftovers.OWNER).write_text(json.dumps(owner))
-    _, logs = run_prepare(tmp_path, [path], out="ds")
+    _, logs = run_prepare(tmp_path, [path], out="ds[1]")
     assert (out / MANIFEST).is_file() and not (out / leftovers.OWNER).exists()
-    assert not (tmp_path / ".ds.tmp-dead").exists()
-    assert any(f"removed {tmp_path / '.ds.tmp-dead'}" in line and f"pid {owners['dead']['pid']}" in line
+    assert not (tmp_path / ".ds[1].tmp-dead").exists()
+    assert any(f"removed {tmp_path / '.ds[1].tmp-dead'}" in line and f"pid {owners['dead']['pid']}" in line
                for line in logs), logs
     for name, why in (("live", f"still running (pid {os.getpid()}"), ("remote", "which this host cannot check"),
                       ("unrecorded", "no owner record")):
-        folder = tmp_path / f".ds.tmp-{name}"
+        folder = tmp_path / f".ds[1].tmp-{name}"
         assert (folder / "train-00000.zb").is_file(), name  # left as it was
         assert any(line.startswith(f"warning: {folder} ") and why in line for line in logs), (name, logs)
-    assert leftovers.temporary_folders(out) == sorted(tmp_path / f".ds.tmp-{n}" for n in ("live", "remote",
-                                                                                           "unrecorded"))
+    assert leftovers.temporary_folders(out) == sorted(tmp_path / f".ds[1].tmp-{n}" for n in ("live", "remote",
+                                                                                              "unrecorded"))
 
 
 def test_a_full_disk_while_preparing_is_exit_5_naming_the_directory(tmp_path, monkeypatch, capsys):

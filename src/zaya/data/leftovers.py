@@ -25,7 +25,9 @@ def temporary_folders(out: Path) -> list[Path]:
     """The temporary folders of prepares of ``out`` (``atomic_directory``'s naming), oldest name first."""
     if not out.parent.is_dir():
         return []
-    return sorted(p for p in out.parent.glob(f".{out.name}.tmp-*") if p.is_dir() and not p.is_symlink())
+    prefix = f".{out.name}.tmp-"  # compared as text: a name with glob characters ("data[1]") must match too
+    return sorted(p for p in out.parent.iterdir()
+                  if p.name.startswith(prefix) and p.is_dir() and not p.is_symlink())
 
 
 def claim(tmp: Path) -> None:
