@@ -163,7 +163,6 @@ def test_restart_expected_follows_the_supervisor_and_torchrun(monkeypatch):
     assert not ram_owners.restart_expected(70)  # its supervisor is gone: nothing will restart it
 
 
-
 def test_the_supervisor_variables_are_the_ones_zaya_run_sets():
     from zaya.aegis import lineage
 
