@@ -19,3 +19,22 @@ def ended_process() -> dict:
         child.wait()
     assert procs.gone(rec) is True
     return rec
+
+
+def sigterm_after_two_steps(run, *zaya_args: str, preexec_fn=None) -> tuple[int, str]:
+    """Start ``zaya ZAYA_ARGS...`` (a training of ``run``), SIGTERM it once metrics.jsonl holds two steps; its exit
+    code and output."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "zaya", *zaya_args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=preexec_fn)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count('"train"') >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    return proc.returncode, out

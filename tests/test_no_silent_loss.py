@@ -10,12 +10,11 @@ import resource
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from dist_helpers import run_ranks
+from proc_helpers import sigterm_after_two_steps
 
 from zaya.config import load_config
 from zaya.errors import CheckpointError
@@ -119,15 +118,9 @@ def test_zaya_train_on_a_full_disk_exits_5_never_0(tmp_path, micro_config):
 
 def test_a_sigterm_whose_checkpoint_fails_exits_5_not_75(tmp_path, micro_config):
     run = tmp_path / "run"
-    proc = zaya("train", "--config", str(micro_config(run)), "--max-steps", "100000", "--set",
-                "checkpoint.every=0", *QUICK, limit=200_000)
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count('"train"') >= 2):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 5, out
+    code, out = sigterm_after_two_steps(run, "train", "--config", str(micro_config(run)), "--max-steps", "100000",
+                                        "--set", "checkpoint.every=0", *QUICK, preexec_fn=_limit_file_size(200_000))
+    assert code == 5, out
     assert "last checkpoint (stop requested (SIGTERM))" in out and "stopped at step" not in out, out
 
 

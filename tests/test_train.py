@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from proc_helpers import sigterm_after_two_steps
 from zaya.config import ConfigError, OptimConfig, load_config
 from zaya.errors import NonFiniteLossError
 from zaya.optim.build import accumulation_steps, global_batch_tokens, lr_factor, split_parameters
@@ -139,16 +138,8 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path, micro_config):
 def train_until_sigterm(cfg: Path, run: Path, *args: str) -> str:
     """Start `zaya train` in a subprocess, SIGTERM it after two steps, check it exits 75 (stopped, checkpoint
     written); return its output."""
-    proc = subprocess.Popen([sys.executable, "-m", "zaya", "train", "--config", str(cfg), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    metrics = run / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count('"train"') >= 2):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 75, out
+    code, out = sigterm_after_two_steps(run, "train", "--config", str(cfg), *args)
+    assert code == 75, out
     return out
 
 
