@@ -112,6 +112,7 @@ def test_zaya_train_on_a_full_disk_exits_5_never_0(tmp_path, micro_config):
     assert proc.returncode == 5, out
     last = out.strip().splitlines()[-1]
     assert last.startswith("zaya: error: checkpoint of step 2 failed") and "no checkpoint at all" in last, out
+    assert "File too large" in last and "MiB free in" in last, last  # the cause, in words a supervisor matches
     assert "checkpoint of step 1 failed" in out and "training goes on" in out  # the periodic one: a warning
     assert not list((run / "checkpoints").iterdir())
 

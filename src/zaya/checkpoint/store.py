@@ -59,6 +59,7 @@ import errno
 import json
 import os
 import re
+import resource
 import shutil
 import threading
 import time
@@ -83,6 +84,7 @@ from zaya.checkpoint.staging import (HostBuffers, Ownership, assign_owners, loca
 from zaya.checkpoint.writer import ChecksummingWriter
 from zaya.config import CheckpointConfig
 from zaya.dist.runtime import Runtime
+from zaya.errors import DISK_FULL_ERRNOS
 from zaya.fsutil import atomic_write_bytes, replace_directory, restore_aside
 
 __all__ = ["COMMIT", "META", "RESERVED_META_KEYS", "CheckpointError", "CheckpointStore", "SaveOutcome", "Stateful",
@@ -129,7 +131,7 @@ def _describe(exc: BaseException, directory: Path | None = None, nbytes: int = 0
         causes.append(causes[-1].__cause__ or causes[-1].__context__)
         if len(causes) > 8:
             break
-    codes = {getattr(c, "errno", None) for c in causes} | {e for e in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    codes = {getattr(c, "errno", None) for c in causes} | {e for e in DISK_FULL_ERRNOS
                                                             if f"[Errno {e}]" in full}
     if directory is not None:
         try:
@@ -139,8 +141,16 @@ def _describe(exc: BaseException, directory: Path | None = None, nbytes: int = 0
                 codes.add(errno.ENOSPC)
         except OSError:
             pass
-    if codes & {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}:
-        text += " (the filesystem is full or refuses a file this large: free space or point train.run_dir elsewhere)"
+    # torch's zip writer turns a refused write into "unexpected pos": a file-size limit smaller than what this rank
+    # writes is the likely cause then (and is named, as is a full disk, by its errno's own words).
+    size_limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if not codes & DISK_FULL_ERRNOS and nbytes and size_limit != resource.RLIM_INFINITY and nbytes > size_limit:
+        codes.add(errno.EFBIG)
+        text += f" [a file-size limit (ulimit -f) of {size_limit:,} bytes is set]"
+    found = sorted(codes & DISK_FULL_ERRNOS)
+    if found:
+        text += (f" ({os.strerror(found[0])}: the filesystem is full or refuses a file this large: free space or "
+                 "point train.run_dir elsewhere)")
     return text
 
 
