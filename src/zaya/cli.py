@@ -294,10 +294,18 @@ def _eval_tasks(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     """``zaya serve``: the OpenAI-compatible HTTP API on the serving engine (docs/serving.md)."""
+    from zaya.serve.gate import API_KEY_ENV
+    from zaya.serve.limits import ServeLimits
     from zaya.serve.server import serve
 
     if args.slots < 1 or args.prefill_chunk < 1:
         raise errors.ConfigError("--slots and --prefill-chunk must be >= 1")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        limits = ServeLimits(api_key=api_key, max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
+                             template_timeout=args.template_timeout, shutdown_timeout=args.shutdown_timeout)
+    except ValueError as exc:
+        raise errors.ConfigError(f"zaya serve: {exc} (docs/serving.md, \"The server's limits\")") from None
     model, tokenizer, where = _load(args, need_tokenizer=True)
     if args.dtype == "bfloat16":
         import torch
@@ -307,7 +315,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"# serving {where} as {name!r} on http://{args.host}:{args.port} ({args.slots} slots of "
           f"{model.config.max_seq_len} tokens)", file=sys.stderr)
     serve(model, tokenizer, host=args.host, port=args.port, model_name=name, num_slots=args.slots,
-          prefill_chunk=args.prefill_chunk)
+          prefill_chunk=args.prefill_chunk, limits=limits)
     return 0
 
 
@@ -524,6 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=_cmd_eval)
 
+    from zaya.serve.limits import ServeLimits
+
     p = verbs.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                          description="/v1/completions, /v1/chat/completions (streaming), /v1/models, /health on "
                                      "the continuous-batching engine (docs/serving.md).")
@@ -537,6 +547,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: the one beside the checkpoint)")
     p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"), help="weights (default float32)")
     p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /health "
+                                                    "(default: $ZAYA_API_KEY; none: open to whoever can connect)")
+    p.add_argument("--max-body-bytes", type=int, default=ServeLimits.max_body_bytes, metavar="N",
+                   help="refuse a larger request body with a 413, while reading it (default %(default)s)")
+    p.add_argument("--max-prompts", type=int, default=ServeLimits.max_prompts, metavar="N",
+                   help="prompts in one /v1/completions request (default %(default)s)")
+    p.add_argument("--template-timeout", type=float, default=ServeLimits.template_timeout, metavar="S",
+                   help="seconds the chat template may take to render one request (default %(default)s)")
+    p.add_argument("--shutdown-timeout", type=float, default=ServeLimits.shutdown_timeout, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds running requests get before they are cancelled (default "
+                        "%(default)s)")
     p.set_defaults(func=_cmd_serve)
 
     p = verbs.add_parser("data", help="prepare and inspect tokenized datasets")
