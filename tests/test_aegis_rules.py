@@ -110,6 +110,21 @@ def test_hang_acts_on_a_stopped_process_before_its_heartbeat_goes_stale():
     plain.check(obs(heartbeats=beats, process_status={1: "stopped"}))
     assert plain.check(obs(now=T0 + 120, heartbeats=beats, process_status={1: "stopped"})) == []
 
+def test_hang_blames_a_stopped_rank_whose_own_heartbeat_is_not_yet_stale():
+    """The race seen in a supervised run: rank 0 beat, then was stopped; its peer's older heartbeat went stale
+    first, before the stop had lasted stopped_timeout. The peer only waits for rank 0: rank 0 is the culprit."""
+    timeouts = {"startup": 60, "train": 5, "checkpoint": 30, "eval": 30}
+    rule = Hang(timeouts, stopped_timeout=5)
+    beats = {0: hb(0, step=11, t=T0 + 96), 1: hb(1, step=11, t=T0 + 94.9)}
+    (f,) = rule.check(obs(now=T0 + 100, heartbeats=beats, process_status={0: "stopped", 1: "sleeping"}))
+    assert f.rank == 0 and "process stopped" in f.evidence[0] and f.since == T0 + 96, f.evidence
+    assert "rank 1" in f.evidence[1] and "> the train timeout 5 s" in f.evidence[1]
+    # an exited rank is never the culprit, and with no stopped rank the one furthest behind still is
+    assert rule.check(obs(now=T0 + 100, heartbeats=beats, process_status={1: "sleeping"}))[0].rank == 1
+    exited = {0: hb(0, step=11, t=T0 + 96, phase="exited"), 1: beats[1]}
+    assert rule.check(obs(now=T0 + 100, heartbeats=exited, process_status={0: "gone", 1: "sleeping"}))[0].rank == 1
+
+
 def test_gpu_hardware_maps_xid_and_amdgpu_lines_to_ranks():
     beats = {0: hb(0, device="0000:3b:00"), 1: hb(1, device="cpu:1")}
     o = obs(heartbeats=beats, new_lines=lines("NVRM: Xid (PCI:0000:3B:00): 79, pid=0, GPU has fallen off the bus.",

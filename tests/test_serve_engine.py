@@ -211,7 +211,7 @@ def test_the_worker_finishes_every_request_it_takes():
     for r in (refused, ok):
         wait(r)
     assert refused.finish_reason == "error" and "outside" in refused.error and ok.finish_reason == "length"
-    running = [submit(Request(prompt=_prompt(5, i), max_tokens=60)) for i in range(3)]
+    running = [submit(Request(prompt=_prompt(5, i), max_tokens=56)) for i in range(3)]
     worker.close()
     late = submit(Request(prompt=_prompt(5, 1), max_tokens=2))
     for r in running + [late]:

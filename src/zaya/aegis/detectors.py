@@ -281,11 +281,18 @@ class Hang:
                             step=hb.get("step", 0), since=min(last, obs.now - seconds))]
         if not stale:
             return []
+        # A stopped or gone rank is the culprit even while its own heartbeat is younger than its peers' (it may
+        # have beaten last, then stopped): the stale ranks are waiting for it in a collective.
         bad = {"stopped", "zombie", "gone", "dead", "tracing-stop"}
-        culprit = min(stale, key=lambda s: (obs.process_status.get(s[0]) not in bad, s[2] or 0, s[5]))
+        waited_on = [(r, hb.get("phase", "train"), hb.get("step", 0), obs.now - hb["time"], None, hb["time"])
+                     for r, hb in sorted(obs.heartbeats.items()) if obs.process_status.get(r) in bad
+                     and hb.get("phase") != "exited" and r not in {s[0] for s in stale}]
+        culprit = min(waited_on + stale, key=lambda s: (obs.process_status.get(s[0]) not in bad, s[2] or 0, s[5]))
         rank, phase, step, age, limit, last = culprit
-        evidence = [f"rank {r}: phase {ph}, step {st}, last heartbeat {a:.1f} s ago > the {ph} timeout {lim:g} s"
-                    f" (process {obs.process_status.get(r, 'unknown')})" for r, ph, st, a, lim, _ in stale]
+        evidence = [f"rank {r}: phase {ph}, step {st}, last heartbeat {a:.1f} s ago"
+                    + (f" > the {ph} timeout {lim:g} s" if lim is not None else "")
+                    + f" (process {obs.process_status.get(r, 'unknown')})"
+                    for r, ph, st, a, lim, _ in sorted(waited_on + stale, key=lambda s: s[0] != rank)]
         return [Finding(self.name, "hang", evidence, "hang", exit_code=errors.COLLECTIVE_ERROR, rank=rank,
                         step=step, since=last)]
 
