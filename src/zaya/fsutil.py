@@ -1,4 +1,5 @@
-"""Crash-safe file writes shared by every module that writes user data (checkpoints, datasets, configs).
+"""Crash-safe file writes shared by every module that writes user data (checkpoints, datasets, configs), and the
+one way zaya parses JSON that a file or a peer gave it.
 
 The rule everywhere: write under a temporary name in the destination's directory, flush to disk, then rename into
 place, so that a crash mid-write leaves either the old file or the new one, never a torn mix.
@@ -6,6 +7,7 @@ place, so that a crash mid-write leaves either the old file or the new one, neve
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -162,3 +164,19 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
         return Path(cache_dir).expanduser()
     env = os.environ.get("ZAYA_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "zaya"
+
+
+def loads_json(text: str | bytes) -> object:
+    """``json.loads``, but every way the text can fail to parse is a ``ValueError``: JSON nested deeper than the
+    interpreter's recursion limit raises ``RecursionError`` from the json module (100,000 ``[`` in a file zaya
+    reads would otherwise end in a traceback), and undecodable bytes ``UnicodeDecodeError`` (a ValueError)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to parse") from None
+
+
+def read_json(path: str | Path) -> object:
+    """The JSON document in ``path`` (UTF-8). OSError when it cannot be read; ValueError (see ``loads_json``) when
+    it is not JSON: callers turn either into their own error naming the file and the fix."""
+    return loads_json(Path(path).read_bytes())
