@@ -40,7 +40,6 @@ def test_unknown_table_suggests_the_nearest(tmp_path):
     ('attention = "mha"\nnum_kv_heads = 2', "num_kv_heads", "must equal num_query_heads"),
     ("rope_fraction = 0.3", "rope_fraction", "even whole number"),
     ('router = "sinkhorn"', "router", "must be one of"),
-    ("hidden_size = 0", "hidden_size", "positive"),
 ])
 def test_shape_rules_fail_at_load(tmp_path, text, key, rule):
     with pytest.raises(ConfigError) as err:
@@ -149,3 +148,88 @@ def test_floats_the_optimizers_or_timers_cannot_take_are_config_errors(override,
     with pytest.raises(ConfigError) as err:
         load_config(CONFIGS / "tiny.toml", [override])
     assert needle in str(err.value), str(err.value)
+
+
+def _int_fields() -> list[tuple[str, str, type]]:
+    """Every (table, key, class) of the config whose value is one int, stages' included."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from zaya.config import Config, StageConfig
+
+    out = []
+    for table in dataclasses.fields(Config):
+        cls = get_type_hints(Config)[table.name]
+        cls = cls if dataclasses.is_dataclass(cls) else StageConfig
+        out += [(table.name, f.name, cls) for f in dataclasses.fields(cls) if get_type_hints(cls)[f.name] is int]
+    return out
+
+
+def test_every_int_field_has_a_range_and_refuses_values_outside_it(tmp_path):
+    """One rule for every int field (its declared range, [0, 2**31) unless the field says otherwise): 10**30 as
+    train.micro_batch_size ended in numpy's 'Maximum allowed size exceeded' (exit 70), eos_token_id = 10**9 in
+    'input_ids hold id 1000000000'. Each message names the key, the value, the range and the default."""
+    stage = write(tmp_path, '[[stages]]\nname = "s"\n')
+    fields = _int_fields()
+    assert len(fields) > 45 and {("train", "micro_batch_size"), ("stages", "tokens")} <= {(t, k) for t, k, _ in fields}
+    for table, key, _ in fields:
+        for value in (-1, 2**70):
+            path = stage if table == "stages" else CONFIGS / "tiny.toml"
+            override = f"{'stages.0' if table == 'stages' else table}.{key}={value}"
+            with pytest.raises(ConfigError) as err:
+                load_config(path, [override])
+            message = str(err.value)
+            assert f"].{key} = {value}: must be an integer in [" in message and "default is" in message, message
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.micro_batch_size=1000000000000000000000000000000",
+     "[train].micro_batch_size = 1000000000000000000000000000000: must be an integer in [1, 2**31); write one in "
+     "that range (the default is 16)"),
+    ("model.num_layers=0", "[model].num_layers = 0: must be an integer in [1, 4096)"),
+    ("model.head_dim=-64", "[model].head_dim = -64: must be an integer in [1, 2**31)"),
+    ("model.eos_token_id=4096", "[model].eos_token_id = 4096: must be an integer in [0, vocab_size = 4096)"),
+    ("model.bos_token_id=-1", "[model].bos_token_id = -1: must be an integer in [0, vocab_size = 4096)"),
+    ("train.seed=4294967296", "[train].seed = 4294967296: must be an integer in [0, 2**32)"),  # numpy's limit
+    ("train.batch_ramp=[[-5, 64]]", "train.batch_ramp = [(-5, 64)]: tokens_seen must increase within [0, 2**53)"),
+    ("train.batch_ramp=[[0, 4294967296]]", "batches lie in [1, 2**31)"),
+])
+def test_int_ranges_name_key_value_range_and_default(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny.toml", [override])
+    assert needle in str(err.value), str(err.value)
+
+
+def test_token_ids_lie_below_the_vocabulary_set_in_the_same_table(tmp_path):
+    with pytest.raises(ConfigError, match=r"eos_token_id = 64: must be an integer in \[0, vocab_size = 64\)"):
+        load_config(write(tmp_path, "[model]\nvocab_size = 64\neos_token_id = 64\n"))
+    assert load_config(write(tmp_path, "[model]\nvocab_size = 64\neos_token_id = 63\n")).model.eos_token_id == 63
+
+
+@pytest.mark.parametrize("key,value", [("eos_token_id", -1), ("eos_token_id", 10**9), ("eos_token_id", 2**70),
+                                       ("num_layers", 2**70), ("hidden_size", 0), ("num_experts", -4)])
+def test_a_checkpoints_model_config_goes_through_the_same_ranges(key, value):
+    """The loaders (zaya checkpoints' meta.json, Hugging Face config.json, training checkpoints) build their model
+    config with model_config_from_dict, which checks the ranges a TOML file's values get."""
+    from zaya.config import model_config_from_dict, to_dict
+
+    data = to_dict(ModelConfig(vocab_size=512, eos_token_id=2))
+    model_config_from_dict(data, "ckpt/meta.json [model]")
+    data[key] = value
+    with pytest.raises(ConfigError) as err:
+        model_config_from_dict(data, "ckpt/meta.json [model]")
+    assert str(err.value).startswith(f"ckpt/meta.json [model].{key} = {value}: must be an integer in [")
+
+
+def test_zaya_train_refuses_a_huge_micro_batch_with_exit_2(tmp_path):
+    """End to end: the audit's --set train.micro_batch_size=10**30 exited 70 with numpy's traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "zaya", "train", "--config", str(CONFIGS / "tiny.toml"),
+                           "--run-dir", str(tmp_path / "run"), "--set",
+                           "train.micro_batch_size=1000000000000000000000000000000"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "micro_batch_size = 1000000000000000000000000000000" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -22,6 +22,17 @@ __all__ = ["AegisConfig", "CheckpointConfig", "Config", "ConfigError", "DataConf
            "StageConfig", "TrainConfig", "config_differences", "load_config", "resumable"]
 
 
+INT_LIMIT = 2**31
+"""The exclusive upper bound of an int field that declares no range of its own: every count, size and step of a
+config stays below it (a dimension, a batch or a step count past it cannot be allocated or run; numpy and torch
+refused 10**30 with a traceback)."""
+TOKEN_LIMIT = 2**53
+"""The exclusive upper bound of a token count (a stage's budget, a batch ramp's point): far beyond any corpus, and
+every count below it is exact as a float."""
+SEED_LIMIT = 2**32
+"""The exclusive upper bound of a seed (numpy's global seed, set from train.seed, takes 32 bits)."""
+
+
 def resumable(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING) -> Any:
     """A config field that may change when a run is resumed: it drives how the run is carried out (how long,
     where, how often it logs or saves, on which devices and with which parallelism), not what it computes.
@@ -29,27 +40,34 @@ def resumable(default: Any = dataclasses.MISSING, *, default_factory: Any = data
     return field(default=default, default_factory=default_factory, metadata={"resumable": True})
 
 
+def ranged(default: int, lo: int = 0, hi: int | str = INT_LIMIT, *, resumable: bool = False) -> Any:
+    """An int field whose values lie in [lo, hi): ``hi`` is a number, or the name of an earlier int field of the
+    same table (token ids lie below ``vocab_size``). An int field declared without it lies in [0, INT_LIMIT).
+    Checked (``_check_ranges``) wherever a config is read: TOML, ``--set``, a checkpoint's or export's config."""
+    return field(default=default, metadata={"range": (lo, hi), "resumable": resumable})
+
+
 @dataclass
 class ModelConfig:
     """Shape and behaviour of a ZAYA1-style MoE decoder. Defaults are the published ZAYA1-base shape."""
 
-    vocab_size: int = 262272
+    vocab_size: int = ranged(262272, 1)
     """Token vocabulary size (ZAYA1: the 262,272-entry Gemma3 tokenizer, a multiple of 64)."""
-    hidden_size: int = 2048
+    hidden_size: int = ranged(2048, 1)
     """Width of the residual stream."""
-    num_layers: int = 40
+    num_layers: int = ranged(40, 1, 2**12)
     """Number of decoder layers; each is one attention block followed by one MoE block."""
     attention: str = "cca"
     """Attention kind: "cca" (compressed convolutional GQA, as in ZAYA1), "gqa" or "mha" (plain baselines)."""
-    num_query_heads: int = 8
+    num_query_heads: int = ranged(8, 1)
     """Query heads."""
-    num_kv_heads: int = 2
+    num_kv_heads: int = ranged(2, 1)
     """Key/value heads; must divide num_query_heads (equal to it for "mha")."""
-    head_dim: int = 128
+    head_dim: int = ranged(128, 1)
     """Channels per head (a multiple of 64 keeps GEMMs efficient)."""
-    cca_depthwise_kernel: int = 2
+    cca_depthwise_kernel: int = ranged(2, 1)
     """CCA: kernel size of the depthwise causal convolution over time (ZAYA1: 2)."""
-    cca_grouped_kernel: int = 2
+    cca_grouped_kernel: int = ranged(2, 1)
     """CCA: kernel size of the per-head grouped causal convolution (ZAYA1: 2)."""
     qk_temperature_init: float = 1.0
     """CCA: initial per-KV-head key temperature. The HF port initialises 0 (uniform attention at step 0); 1 gives
@@ -58,17 +76,17 @@ class ModelConfig:
     """RoPE base (ZAYA1: 10,000 at 4k context, 1,000,000 after the 32k extension)."""
     rope_fraction: float = 0.5
     """Fraction of each head's channels that RoPE rotates (rotate-half style on the leading channels)."""
-    max_seq_len: int = 4096
+    max_seq_len: int = ranged(4096, 1)
     """Longest sequence the model is trained on; used for FLOP estimates and default decode buffers."""
-    num_experts: int = 16
+    num_experts: int = ranged(16, 1)
     """Experts per MoE layer."""
-    top_k: int = 1
+    top_k: int = ranged(1, 1)
     """Experts chosen per token (ZAYA1: 1). Mixing weights are the unnormalised router probabilities."""
-    expert_hidden_size: int = 2048
+    expert_hidden_size: int = ranged(2048, 1)
     """SwiGLU hidden width of each expert (gate and up are each this wide)."""
     router: str = "zaya"
     """Router kind: "zaya" (down-projection, EDA, RMSNorm + 3-layer MLP) or "linear" (plain top-k baseline)."""
-    router_hidden_size: int = 256
+    router_hidden_size: int = ranged(256, 1)
     """ZAYA router latent width."""
     router_eda: bool = True
     """ZAYA router: exponential depth averaging of the router latent across MoE layers."""
@@ -105,11 +123,11 @@ class ModelConfig:
     """Standard deviation of the normal init of weight matrices; output projections use init_std/sqrt(2*layers)."""
     moe_impl: str = "auto"
     """Expert matmul path: "grouped_mm" (one grouped GEMM), "loop" (per-expert contiguous slices) or "auto"."""
-    pad_token_id: int = 0
+    pad_token_id: int = ranged(0, 0, "vocab_size")
     """Padding token id, written to Hugging Face config.json on export."""
-    bos_token_id: int = 2
+    bos_token_id: int = ranged(2, 0, "vocab_size")
     """Beginning-of-sequence token id (export metadata)."""
-    eos_token_id: int = 106
+    eos_token_id: int = ranged(106, 0, "vocab_size")
     """End-of-sequence token id (export metadata; generation can stop on it)."""
 
     def __post_init__(self) -> None:
@@ -200,7 +218,7 @@ class OptimConfig:
     """Muon momentum."""
     muon_nesterov: bool = True
     """Nesterov momentum in Muon."""
-    muon_ns_steps: int = 5
+    muon_ns_steps: int = ranged(5, 0, 100)
     """Newton-Schulz iterations (ZAYA1: 5)."""
     muon_ns_dtype: str = "bfloat16"
     """Dtype of Muon's Newton-Schulz iteration: "bfloat16" (fast; the usual choice) or "float32"."""
@@ -248,11 +266,11 @@ class OptimConfig:
 class TrainConfig:
     """The training run: batch geometry, parallelism, precision, checkpoints, logging."""
 
-    max_steps: int = resumable(300)
+    max_steps: int = ranged(300, 1, resumable=True)
     """Optimizer steps; the run ends with a final checkpoint."""
-    micro_batch_size: int = resumable(16)
+    micro_batch_size: int = ranged(16, 1, resumable=True)
     """Sequences per rank per forward/backward (stages may override)."""
-    seq_len: int = 128
+    seq_len: int = ranged(128, 1)
     """Tokens per sequence when no [[stages]] are given."""
     global_batch_tokens: int = 0
     """Tokens per optimizer step over all ranks; 0 = one micro-batch per rank (no accumulation)."""
@@ -262,9 +280,9 @@ class TrainConfig:
     """Data parallelism across ranks: "ddp", "zero1" (DDP with the optimizer state sharded) or "fsdp" (FSDP2)."""
     dtype: str = "bfloat16"
     """Compute dtype under autocast: "bfloat16" or "float32". Master weights and optimizer state stay fp32."""
-    seed: int = 0
+    seed: int = ranged(0, 0, SEED_LIMIT)
     """Seed for weight init (data order is data.seed)."""
-    log_every: int = resumable(10)
+    log_every: int = ranged(10, 1, resumable=True)
     """Progress line every this many steps (metrics.jsonl gets every step)."""
     eval_every: int = resumable(100)
     """Validation loss every this many steps (and at the end); 0 = only at the end."""
@@ -292,7 +310,7 @@ class TrainConfig:
     several nodes it must be on a filesystem they all mount (checked at start-up)."""
     device: str = resumable("auto")
     """Device of each rank: "auto" (its GPU when torch sees one, else the CPU), "cpu", "cuda" or "cuda:N"."""
-    context_parallel: int = resumable(1)
+    context_parallel: int = ranged(1, 1, resumable=True)
     """Context-parallel ranks per sequence (cp): consecutive ranks split every sequence in the zigzag layout and
     attend across the split (docs/long-context.md); data parallelism runs over world / cp. Every stage's seq_len must
     be a multiple of 2 x cp. Checkpoints resume at any other cp."""
@@ -325,8 +343,9 @@ class TrainConfig:
         if not isinstance(self.device, str) or not self.device.strip():
             raise ConfigError(f'train.device = {self.device!r}: must be "auto", "cpu", "cuda" or "cuda:N"')
         points = [t for t, _ in self.batch_ramp]
-        if points != sorted(points) or any(b <= 0 for _, b in self.batch_ramp):
-            raise ConfigError(f"train.batch_ramp = {self.batch_ramp}: tokens_seen must increase and batches be > 0")
+        if points != sorted(points) or not all(0 <= t < TOKEN_LIMIT and 0 < b < INT_LIMIT for t, b in self.batch_ramp):
+            raise ConfigError(f"train.batch_ramp = {self.batch_ramp}: tokens_seen must increase within [0, "
+                              f"{_bound(TOKEN_LIMIT)}) and batches lie in [1, {_bound(INT_LIMIT)})")
 
 
 @dataclass
@@ -335,7 +354,7 @@ class CheckpointConfig:
 
     every: int = resumable(100)
     """Checkpoint every this many steps (and at the end, and on SIGTERM/SIGINT); 0 = only those."""
-    keep: int = resumable(3)
+    keep: int = ranged(3, 1, resumable=True)
     """Newest complete checkpoints kept in <run_dir>/checkpoints."""
     keep_every: int = resumable(0)
     """Also keep, permanently, every checkpoint whose step is a multiple of this; 0 = none."""
@@ -410,7 +429,7 @@ class AegisConfig:
     """NIC link-down lines within nic_window_s that make a finding (a single flap usually heals by itself)."""
     nic_window_s: float = resumable(300.0)
     """The window of nic_flaps."""
-    spike_window: int = resumable(128)
+    spike_window: int = ranged(128, 1, resumable=True)
     """Steps of the rolling loss statistics the spike rule compares against."""
     spike_sigma: float = resumable(6.0)
     """A loss above mean + spike_sigma x std of the window is a spike."""
@@ -432,7 +451,7 @@ class AegisConfig:
     """rewind: how many steps the LR cut lasts."""
     spares: int = resumable(0)
     """Spare devices (slots) on this node beyond --nproc-per-node; exclude puts a spare in a bad device's place."""
-    min_nproc: int = resumable(1)
+    min_nproc: int = ranged(1, 1, resumable=True)
     """exclude never shrinks a node below this many ranks (it gives up instead)."""
     warm_standby: bool = resumable(True)
     """Once the job trains, start the next attempt's torchrun ahead of time (its ranks import, then wait, touching
@@ -487,7 +506,7 @@ class StageConfig:
 
     name: str = "main"
     """Shown in logs and metrics."""
-    tokens: int = 0
+    tokens: int = ranged(0, 0, TOKEN_LIMIT)
     """Global token budget of the stage; 0 = until max_steps (only the last stage)."""
     seq_len: int = 0
     """Sequence length; 0 = train.seq_len."""
@@ -518,7 +537,7 @@ class DataConfig:
     """Name -> prepared dataset directory, or "builtin:shakespeare" (prepared on first use and cached)."""
     weights: dict[str, float] = field(default_factory=dict)
     """Mixture weights by dataset name (empty: equal weights)."""
-    seed: int = 0
+    seed: int = ranged(0, 0, SEED_LIMIT)
     """Seed of the shuffle (a keyed permutation per dataset and epoch)."""
     document_positions: bool = False
     """Give the model position ids that restart at every document start."""
@@ -527,9 +546,9 @@ class DataConfig:
     parallelism). Off: a token attends to the earlier documents of its sequence too."""
     prefetch: int = resumable(4)
     """Batches computed ahead by the loader's background thread (0: none)."""
-    val_batches: int = 8
+    val_batches: int = ranged(8, 1)
     """Validation batches (per rank) at each evaluation."""
-    builtin_vocab_size: int = 4096
+    builtin_vocab_size: int = ranged(4096, 320)
     """Vocabulary of the BPE trained for a builtin corpus (a multiple of 64)."""
     cache_dir: str = resumable("")
     """Where builtin corpora are prepared ("" = $ZAYA_CACHE_DIR, else ~/.cache/zaya)."""
@@ -645,10 +664,9 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
         try:
             kwargs[key] = _check_type(value, hints[key], f"{where}.{key}")
         except _NonFinite as err:
-            default = next(f.default for f in fields(cls) if f.name == key)
-            fix = f" (the default is {default!r})" if default is not dataclasses.MISSING else ""
             raise ConfigError(f"{err}: must be a finite number within float32's range (+-3.4e38; nan and inf are "
-                              f"not values a run can use); write a finite one{fix}") from None
+                              f"not values a run can use); write a finite one{_default_of(cls, key)}") from None
+    _check_ranges(cls, kwargs, where)
     try:
         return cls(**kwargs)
     except ConfigError as err:
@@ -659,6 +677,36 @@ MAX_TIMEOUT_S = 1e12
 """The longest timeout a config may set (about 31,700 years: beyond any run, within what a timedelta holds)."""
 FLOAT_LIMIT = 3.4028234663852886e38
 """The largest float32: every config float reaches a float32 tensor, a timer or a rate, where a larger one overflows."""
+
+
+def _default_of(cls: type, key: str) -> str:
+    """" (the default is X)" for a field of ``cls`` that has a plain default, "" otherwise."""
+    default = next(f.default for f in fields(cls) if f.name == key)
+    return f" (the default is {default!r})" if default is not dataclasses.MISSING else ""
+
+
+def _bound(n: int) -> str:
+    return f"2**{n.bit_length() - 1}" if n >= 2**20 and n & (n - 1) == 0 else str(n)
+
+
+def _check_ranges(cls: type, values: dict[str, Any], where: str) -> None:
+    """The one rule of int fields: each of ``values`` (a table's keys, already of the right type) lies in its
+    field's declared range [lo, hi) (``ranged``; [0, INT_LIMIT) when none is declared), a bound naming another field
+    taken from ``values`` or that field's default. A value outside is a ConfigError naming the key, the value, the
+    range and the default (an id or size past it ended in a traceback where a tensor was made from it)."""
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        if hints[f.name] is not int or f.name not in values:
+            continue
+        lo, hi = f.metadata.get("range", (0, INT_LIMIT))
+        if isinstance(hi, str):  # another field, checked before this one (fields are in order)
+            limit = values.get(hi, getattr(cls, hi))
+            shown = f"{hi} = {limit}"
+        else:
+            limit, shown = hi, _bound(hi)
+        if not lo <= values[f.name] < limit:
+            raise ConfigError(f"{where}.{f.name} = {values[f.name]!r}: must be an integer in [{lo}, {shown}); write "
+                              f"one in that range{_default_of(cls, f.name)}")
 
 
 class _NonFinite(ConfigError):
