@@ -39,7 +39,8 @@ def sleeper():
 def write_heartbeat(run: Path, rank: int, **fields) -> None:
     directory = heartbeat_dir(run / "aegis")
     directory.mkdir(parents=True, exist_ok=True)
-    doc = {"rank": rank, "host": socket.gethostname(), "phase": "train", "step": 5, "attempt": 0, **fields}
+    doc = {"rank": rank, "host": socket.gethostname(), "phase": "train", "step": 5, "attempt": 0, "time": time.time(),
+           **fields}
     (directory / f"rank-{rank:05d}.json").write_text(json.dumps(doc))
 
 

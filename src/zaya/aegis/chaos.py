@@ -30,6 +30,7 @@ import psutil
 
 from zaya.aegis import ATTEMPT_ENV, CHAOS_ENV
 from zaya.errors import ConfigError
+from zaya.fsutil import loads_json, read_json
 from zaya.train.callbacks import Callback
 
 KINDS = ("kill", "hang", "raise", "nan", "slow", "stall", "corrupt_checkpoint", "disk_full", "xid", "ecc",
@@ -48,7 +49,7 @@ def load_plan(path: str | Path) -> list[dict[str, Any]]:
     """Read and check a chaos plan; errors name the file and the entry."""
     path = Path(path)
     try:
-        plan = json.loads(path.read_text())
+        plan = read_json(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"chaos plan {path}: cannot be read as JSON ({exc}); expected a list of "
                           '{"kind": ..., "step": ..., "rank": ...}') from None
@@ -79,10 +80,10 @@ def read_injections(aegis: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text().splitlines() if path.is_file() else []:
         try:
-            out.append(json.loads(line))
+            out.append(loads_json(line))
         except ValueError:  # a torn last line of a killed writer
             continue
-    return out
+    return [rec for rec in out if isinstance(rec, dict)]
 
 
 def append_log_line(path: str | Path, text: str) -> None:
@@ -143,10 +144,14 @@ class ChaosHook(Callback):
         out = []
         for path in sorted((self.aegis / REQUESTS).glob(f"rank-{self.rank:05d}-*.json")):
             try:
-                out.append(json.loads(path.read_text()))
-            except ValueError:
+                fault = read_json(path)
+            except OSError:
                 continue
+            except ValueError:  # not a request `zaya chaos inject` writes: dropped, never injected
+                fault = None
             path.unlink(missing_ok=True)
+            if isinstance(fault, dict) and fault.get("kind") in IN_TRAINER:
+                out.append(fault)
         return out
 
     def on_step_end(self, trainer, record: dict[str, Any]) -> None:
@@ -238,14 +243,19 @@ def _live_rank(run_dir: Path, rank: int, hb: dict[str, Any] | None) -> psutil.Pr
 def request(run_dir: Path, kind: str, rank: int, **options: Any) -> str:
     """Inject ``kind`` into a live supervised run now (``zaya chaos inject``); returns what was done."""
     from zaya.aegis import aegis_dir
-    from zaya.aegis.heartbeat import read_heartbeats
+    from zaya.aegis.heartbeat import heartbeat_dir, read_heartbeats
 
     if kind not in KINDS:
         raise ConfigError(f"chaos kind {kind!r}: choose one of {', '.join(KINDS)}")
     aegis = aegis_dir(run_dir)
-    beats = read_heartbeats(aegis)
+    problems: dict[Path, str] = {}
+    beats = read_heartbeats(aegis, problems)
     fault = {"kind": kind, "rank": rank, **options}
     if kind in ("kill", "hang"):
+        own = heartbeat_dir(aegis) / f"rank-{rank:05d}.json"
+        if rank not in beats and own in problems:
+            raise ConfigError(f"{run_dir}: refusing to signal rank {rank}: its heartbeat {own} is not one a rank "
+                              f"writes ({problems[own]}); nothing was sent. Inject into a run that is training now")
         proc = _live_rank(run_dir, rank, beats.get(rank))
         record_injection(aegis, fault, injected_rank=rank, injected_step=beats[rank].get("step"),
                          attempt=beats[rank].get("attempt"))

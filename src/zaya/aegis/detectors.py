@@ -408,9 +408,9 @@ class LossSpike:
     def check(self, obs: Observation) -> list[Finding]:
         out = []
         for rec in obs.metrics:
-            if rec.get("kind") != "train" or rec.get("skipped") or not isinstance(rec.get("loss"), (int, float)):
-                continue
-            step, loss = int(rec["step"]), float(rec["loss"])
+            if rec.get("kind") != "train" or rec.get("skipped") or not isinstance(rec.get("loss"), float):
+                continue  # the trainer writes a loss as a float (a non-finite one as a string)
+            step, loss = int(rec["step"]), rec["loss"]
             if not math.isfinite(loss):
                 continue
             for s in [s for s in self.history if s >= step]:

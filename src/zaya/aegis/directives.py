@@ -12,22 +12,49 @@ exactly as if those batches had been trained on and discarded.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from zaya.aegis.heartbeat import write_json_atomic
+from zaya.config import INT_LIMIT
+from zaya.errors import ConfigError
+from zaya.fsutil import read_json
 from zaya.train.callbacks import Callback
 
 DIRECTIVES_FILE = "directives.json"
 
 
 def read_directives(aegis: Path) -> dict[str, Any]:
+    """The run's directives (none when there is no file). A file that is not JSON, or whose entries are not the
+    ones ``add_directive`` writes, is a ConfigError naming it: every rank and relaunch acts on it, so a guess
+    would skip or rescale different steps than the supervisor decided."""
     path = Path(aegis) / DIRECTIVES_FILE
     if not path.is_file():
         return {"skip": [], "lr_cut": []}
-    doc = json.loads(path.read_text())
-    return {"skip": list(doc.get("skip", [])), "lr_cut": list(doc.get("lr_cut", []))}
+    try:
+        doc = read_json(path)
+        if not isinstance(doc, dict):
+            raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+        out = {"skip": doc.get("skip", []), "lr_cut": doc.get("lr_cut", [])}
+        for key, entries in out.items():
+            if not isinstance(entries, list) or not all(_entry_ok(e, key == "lr_cut") for e in entries):
+                raise ValueError(f"{key} is not a list of entries {{from_step >= 1, steps >= 0"
+                                 + (", factor in (0, 1]" if key == "lr_cut" else "") + "}")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not the rewind directives Aegis writes ({str(exc)[:200]}); it was damaged or "
+                          "written by hand: fix or remove it (without it no batches are skipped and the learning rate "
+                          "is not cut)") from None
+    return {"skip": list(out["skip"]), "lr_cut": list(out["lr_cut"])}
+
+
+def _entry_ok(entry: Any, factor: bool) -> bool:
+    def count(x: Any, lo: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and lo <= x < INT_LIMIT  # steps: train.max_steps's
+
+    if not isinstance(entry, dict) or not count(entry.get("from_step"), 1) or not count(entry.get("steps"), 0):
+        return False
+    value = entry.get("factor")
+    return not factor or (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1)
 
 
 def add_directive(aegis: Path, *, bad_step: int, skip_steps: int, lr_cut: float, lr_cut_steps: int) -> dict:

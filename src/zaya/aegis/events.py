@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zaya.fsutil import atomic_write_text
+from zaya.errors import ConfigError
+from zaya.fsutil import atomic_write_text, loads_json
 
 EVENTS_FILE = "events.jsonl"
 
@@ -35,10 +36,25 @@ class EventLog:
 
 
 def read_events(aegis: Path) -> list[dict[str, Any]]:
+    """The events of ``aegis``/events.jsonl; a line that is not a JSON object is a ConfigError naming the file and
+    the line (the supervisor rewrites the file whole: such a line was not written by it)."""
     path = Path(aegis) / EVENTS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            event = loads_json(line)
+        except ValueError as exc:
+            event = exc
+        if not isinstance(event, dict):
+            why = event if isinstance(event, ValueError) else f"a JSON {type(event).__name__}, not an object"
+            raise ConfigError(f"{path}:{number}: not an Aegis event ({why}); the file was damaged or not written by "
+                              "zaya run: move it aside (zaya run then starts a new log)")
+        out.append(event)
+    return out
 
 
 def summarise(run_dir: Path) -> dict[str, Any]:
@@ -55,7 +71,7 @@ def summarise(run_dir: Path) -> dict[str, Any]:
     injections = read_injections(aegis)
     per_kind: dict[str, dict[str, list[float]]] = {}
     for d in decisions:
-        row = per_kind.setdefault(d["detector"], {"count": [], "detect_s": [], "recover_s": [], "redone": []})
+        row = per_kind.setdefault(str(d.get("detector")), {"count": [], "detect_s": [], "recover_s": [], "redone": []})
         row["count"].append(1)
         if d.get("time_to_detect_s") is not None:
             row["detect_s"].append(d["time_to_detect_s"])
@@ -69,7 +85,7 @@ def summarise(run_dir: Path) -> dict[str, Any]:
         return round(statistics.fmean(xs), 3) if xs else None
 
     return {"run_dir": str(run_dir), "decisions": len(decisions), "injections": len(injections),
-            "restarts": sum(1 for d in decisions if d["action"] in ("restart", "rewind", "exclude", "backoff")),
+            "restarts": sum(1 for d in decisions if d.get("action") in ("restart", "rewind", "exclude", "backoff")),
             "warm_launches": sum(1 for e in events if e.get("kind") == "launch" and e.get("warm")),
             "by_detector": {k: {"count": len(v["count"]), "mean_time_to_detect_s": stat(v["detect_s"]),
                                 "mean_time_to_recover_s": stat(v["recover_s"]),

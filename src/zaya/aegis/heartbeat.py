@@ -12,6 +12,7 @@ step, on_step_end, evaluation, save).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -24,6 +25,7 @@ import psutil
 from zaya import procs
 from zaya.aegis.lineage import live_process
 from zaya.errors import exit_code_of
+from zaya.fsutil import read_json
 from zaya.train.callbacks import Callback
 
 PHASES = ("startup", "train", "checkpoint", "eval")
@@ -126,18 +128,66 @@ class Heartbeat(Callback):
                   error=f"{type(error).__name__}: {text[0] if text else ''}"[:500])
 
 
-def read_heartbeats(aegis: Path) -> dict[int, dict[str, Any]]:
-    """Every rank's newest heartbeat, by rank (a file being replaced is simply read on the next look)."""
+_NUMBER = (int, float)
+_FIELDS: dict[str, tuple[Any, ...]] = {
+    "rank": (int,), "time": _NUMBER, "phase": (str,),  # required: who, when, doing what
+    "local_rank": (int,), "attempt": (int,), "step": (int,), "world_size": (int,), "saved_step": (int,),
+    "exit_code": (int, None), "resumed_step": (int, None), "host": (str, None), "device": (str, None),
+    "error": (str,), "resumed_source": (str, None), "loss": (*_NUMBER, str, None), "val_loss": (*_NUMBER, None),
+    "step_time_s": (*_NUMBER, None), "busy_s": (*_NUMBER, None), "busy_recent": (list,), "skipped": (bool,),
+}
+"""The heartbeat fields the supervisor and ``zaya chaos`` compute with, and the JSON types each may have (bools
+are not ints here). ``pid`` and ``started`` are judged by ``rank_process``, which names what is wrong with them."""
+
+
+def _kind_ok(value: Any, kinds: tuple[Any, ...]) -> bool:
+    """``value`` is of one of ``kinds`` (None for JSON null); an int only within int64 (what a rank writes: a
+    larger one overflows the float arithmetic of ages and step times)."""
+    if value is None or isinstance(value, bool):
+        return (value is None and None in kinds) or (isinstance(value, bool) and bool in kinds)
+    if isinstance(value, int) and not -2**63 <= value < 2**63:
+        return False
+    return isinstance(value, tuple(k for k in kinds if isinstance(k, type)))
+
+
+def parse_heartbeat(path: Path) -> dict[str, Any]:
+    """The heartbeat in ``path`` (``rank-NNNNN.json``), checked: a JSON object naming the file's rank, a finite
+    time, a known phase, and every field of ``_FIELDS`` of its type. ValueError saying what is wrong otherwise,
+    OSError when it cannot be read: a file a rank did not write (or a damaged one) must never be computed with."""
+    doc = read_json(path)
+    if not isinstance(doc, dict):
+        raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+    for key, kinds in _FIELDS.items():
+        if key in ("rank", "time", "phase") and key not in doc:
+            raise ValueError(f"no {key!r}")
+        if key in doc and not _kind_ok(doc[key], kinds):
+            raise ValueError(f"{key} = {str(doc[key])[:80]!r} is not of a heartbeat's kind")
+    if path.name != f"rank-{doc['rank']:05d}.json":
+        raise ValueError(f"rank {doc['rank']} in a file named {path.name}")
+    if not math.isfinite(doc["time"]) or doc["phase"] not in (*PHASES, "exited"):
+        raise ValueError(f"time {doc['time']!r} or phase {str(doc['phase'])[:40]!r} is not a heartbeat's")
+    if not all(_kind_ok(b, _NUMBER) for b in doc.get("busy_recent", [])):
+        raise ValueError("busy_recent holds something other than numbers")
+    return doc
+
+
+def read_heartbeats(aegis: Path, problems: dict[Path, str] | None = None) -> dict[int, dict[str, Any]]:
+    """Every rank's newest heartbeat, by rank (a file being replaced is simply read on the next look). A file that
+    is not a heartbeat (``parse_heartbeat``) is skipped; ``problems``, when given, gets its path and why."""
     out: dict[int, dict[str, Any]] = {}
     directory = heartbeat_dir(aegis)
     if not directory.is_dir():
         return out
     for path in directory.glob("rank-*.json"):
         try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
+            doc = parse_heartbeat(path)
+        except FileNotFoundError:
             continue
-        out[int(doc["rank"])] = doc
+        except (OSError, ValueError) as exc:
+            if problems is not None:
+                problems[path] = str(exc)
+            continue
+        out[doc["rank"]] = doc
     return out
 
 

@@ -13,12 +13,12 @@ The go file is written atomically (write, then rename): a rank reads either noth
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 import time
 from pathlib import Path
 
 from zaya.aegis.lineage import supervisor_gone
+from zaya.fsutil import read_json
 
 STANDBY_ENV = "ZAYA_AEGIS_STANDBY"
 """Set by the supervisor for a standby's ranks: the go file to wait for (with the supervisor's identity,
@@ -47,7 +47,7 @@ def wait_for_go(path: str | Path, poll_s: float = POLL_S) -> str:
     checked = time.monotonic()
     while True:
         try:
-            return str(json.loads(path.read_text())["resume"])
+            return str(read_json(path)["resume"])
         except FileNotFoundError:
             pass
         except (ValueError, KeyError, TypeError) as exc:

@@ -17,7 +17,7 @@ wall time.
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import queue
 import re
@@ -45,6 +45,7 @@ from zaya.aegis.policy import Decision, Policy
 from zaya.aegis.sources import GpuCounters, KernelLog, LogTail, disk_free_mb, process_status
 from zaya.aegis.standby import STANDBY_ENV, write_go
 from zaya.config import Config
+from zaya.fsutil import loads_json
 from zaya.train.run_lock import JOB_ENV, RunLock
 
 _RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
@@ -170,7 +171,8 @@ class Supervisor:
 
     def _next_attempt(self) -> int:
         """Attempts count on across supervisor restarts (a chaos plan names attempts)."""
-        return 1 + max((e.get("attempt", -1) for e in self.events.events if e.get("kind") == "launch"), default=-1)
+        return 1 + max((e["attempt"] for e in self.events.events if e.get("kind") == "launch"
+                        and isinstance(e.get("attempt"), int)), default=-1)
 
     def _start(self, attempt: int, resume: str) -> float:
         """Launch attempt ``attempt``: release the warm standby when it fits (same attempt, same slots, alive),
@@ -287,7 +289,12 @@ class Supervisor:
             for source in tails + ([kernel] if kernel else []) + [gpus]:
                 new += source.read()
             seen += new
-            beats = {r: hb for r, hb in read_heartbeats(self.aegis).items() if hb.get("attempt") == attempt}
+            problems: dict[Path, str] = {}
+            beats = {r: hb for r, hb in read_heartbeats(self.aegis, problems).items() if hb.get("attempt") == attempt}
+            for path, why in problems.items():  # skipped: such a rank counts as not heard from (its timeouts apply)
+                if str(path) not in noted:  # once per file and attempt
+                    noted.add(str(path))
+                    self._say(f"aegis: warning: {path} is not a heartbeat a rank writes ({why}); it is ignored")
             self.on_gpu = self.on_gpu or any(not str(hb.get("device") or "cpu").startswith("cpu")
                                              for hb in beats.values())
             if pending is not None and self._recovered(pending, beats, world, now):
@@ -353,9 +360,11 @@ class Supervisor:
         out = []
         for line in data[:end].splitlines():
             try:
-                out.append(json.loads(line))
+                rec = loads_json(line)
             except ValueError:
                 continue
+            if _is_record(rec):
+                out.append(rec)
         return out
 
     def _recovered(self, event: dict, beats: dict, world: int, now: float, final: bool = False) -> bool:
@@ -529,11 +538,18 @@ def productive_seconds(run_dir: Path) -> float:
     once, as its final version), summed."""
     path = Path(run_dir) / "metrics.jsonl"
     steps: dict[int, float] = {}
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    for line in path.read_bytes().splitlines() if path.is_file() else []:
         try:
-            rec = json.loads(line)
+            rec = loads_json(line)
         except ValueError:
             continue
-        if rec.get("kind") == "train" and isinstance(rec.get("step_time_s"), (int, float)):
+        if _is_record(rec) and rec.get("kind") == "train" and isinstance(rec.get("step_time_s"), float) \
+                and math.isfinite(rec["step_time_s"]):
             steps[rec["step"]] = rec["step_time_s"]
     return sum(steps.values())
+
+
+def _is_record(rec: Any) -> bool:
+    """A metrics.jsonl record the detectors and the figures can use: an object whose step is an int (a line of
+    another kind is skipped, as a torn one is)."""
+    return isinstance(rec, dict) and isinstance(rec.get("step"), int) and not isinstance(rec["step"], bool)
