@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from zaya.errors import DataError
+from zaya.fsutil import read_json
 
 MAGIC = b"ZAYABNDL"
 BUNDLE_VERSION = 1
@@ -198,9 +199,13 @@ class PreparedDataset:
             raise DatasetError(f"{self.directory}: no {MANIFEST}; not a prepared dataset, or an interrupted "
                                "prepare (run `zaya data prepare` again)")
         try:
-            self.manifest = json.loads(manifest_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DatasetError(f"{manifest_path}: not valid JSON ({exc})") from exc
+            self.manifest = read_json(manifest_path)
+        except ValueError as exc:  # not JSON, not UTF-8, or nested past the parser's depth
+            raise DatasetError(f"{manifest_path}: not valid JSON ({exc}); not written by `zaya data prepare`, or "
+                               "damaged: prepare the dataset again") from None
+        if not isinstance(self.manifest, dict):
+            raise DatasetError(f"{manifest_path}: a JSON {type(self.manifest).__name__}, not a manifest's object; "
+                               "not written by `zaya data prepare`, or damaged: prepare the dataset again")
         fmt, version = self.manifest.get("format"), self.manifest.get("format_version")
         if fmt != DATASET_FORMAT:
             raise DatasetError(f"{manifest_path}: format {fmt!r}, expected {DATASET_FORMAT!r}")

