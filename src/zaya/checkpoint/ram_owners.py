@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from zaya import procs
+from zaya.fsutil import read_json
 
 OWNER_SUFFIX = ".owner.json"
 SUPERVISOR_ENV = ("ZAYA_AEGIS_SUPERVISOR_PID", "ZAYA_AEGIS_SUPERVISOR_START")
@@ -122,16 +123,19 @@ def ended(directory: Path) -> bool:
     records = []
     for path in directory.glob(f"rank-*{OWNER_SUFFIX}"):
         try:
-            records.append(json.loads(path.read_text()))
+            records.append(read_json(path))
         except (OSError, ValueError):
-            return False  # being written, or unreadable: not provably ended
+            return False  # being written, or unreadable (not JSON, nested past the parser's depth): not provably ended
     if not records:
         return False
     for rec in records:
         if not isinstance(rec, dict):
             return False
         for who in ("process", "launcher", "supervisor"):
-            if rec.get(who) is not None and procs.gone(rec[who]) is not True:
+            try:
+                if rec.get(who) is not None and procs.gone(rec[who]) is not True:
+                    return False
+            except OverflowError:  # a pid or start time no process has (an infinite one): not provably ended
                 return False
     return True
 

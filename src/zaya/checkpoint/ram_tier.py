@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from zaya.checkpoint import ram_owners
+from zaya.fsutil import read_json
 
 DEFAULT_DIR = f"/dev/shm/zaya-{os.getuid()}"
 """Per user: a directory of the user's own (mode 0700), which no other user can have made first under that name
@@ -134,7 +135,7 @@ class RamTier:
         if self.problem:
             return False
         try:
-            info = json.loads(self.info_path.read_text())
+            info = read_json(self.info_path)
             return (info.get("format") == FORMAT and save_id is not None and info["save_id"] == save_id
                     and info["step"] == step and info["world_size"] == self.world_size
                     and info["parallel"] == self.parallel and info["run_dir"] == self.run_dir

@@ -20,7 +20,6 @@ display nor changes the backend of a program that imports it. Each PNG is render
 from __future__ import annotations
 
 import io
-import json
 import math
 import warnings
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from zaya.fsutil import atomic_write_bytes
+from zaya.fsutil import atomic_write_bytes, loads_json
 
 METRICS_FILE = "metrics.jsonl"
 PLOTS_SUBDIR = "plots"
@@ -60,10 +59,10 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[s
         if not raw.strip(b" \t\r\x00"):
             continue
         try:
-            record = json.loads(raw.decode("utf-8"))
+            record = loads_json(raw)
             if not isinstance(record, dict):
                 raise ValueError(f"a JSON {type(record).__name__}, not an object")
-        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        except ValueError as err:  # not JSON, not UTF-8, or nested past the parser's depth
             if index == last:
                 warnings.warn(f"{path}:{lineno}: skipped an incomplete last line (a crash or a write in progress): "
                               f"{_clip(raw)}", stacklevel=2)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from zaya.errors import ConfigError
+from zaya.fsutil import loads_json
 
 JOB_LOCK = "job.lock"
 RANK0_LOCK = "rank0.lock"
@@ -104,7 +105,7 @@ def _read_record(fd: int) -> dict[str, Any]:
         try:
             text = os.pread(fd, 1 << 16, 0).decode("utf-8", "replace")
             if text:
-                doc = json.loads(text)
+                doc = loads_json(text)
                 return doc if isinstance(doc, dict) else {}
         except (OSError, ValueError):
             pass

@@ -973,10 +973,11 @@ def _command() -> str:
 
 def _from_saved(path: str) -> tuple[dict[str, Any], Any, Any]:
     from zaya.config import TrainConfig, model_config_from_dict
+    from zaya.fsutil import read_json
 
     p = Path(path)
     try:
-        result = json.loads(p.read_text(encoding="utf-8"))
+        result = read_json(p)
         cfg = model_config_from_dict(result["model"], str(p))
         train = replace(TrainConfig(), micro_batch_size=result["micro_batch_size"], seq_len=result["seq_len"])
         missing = [k for k in ("measurements", "tokens", "widths", "passes", "dtypes", "peak") if k not in result]
@@ -984,7 +985,9 @@ def _from_saved(path: str) -> tuple[dict[str, Any], Any, Any]:
             raise KeyError(", ".join(missing))
     except FileNotFoundError:
         raise ConfigError(f"--from {p}: no such file (a sweep's gemm-<device>.json, written to --out)") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, TypeError) as err:  # not JSON (nested past the parser's depth too), or not a result
         raise ConfigError(f"--from {p}: not a `zaya tune gemm` result ({err.__class__.__name__}: {err})") from None
     return result, cfg, train
 

@@ -46,6 +46,7 @@ import torch
 
 from zaya.config import Config, load_config
 from zaya.errors import ConfigError
+from zaya.fsutil import loads_json
 
 MODES = ("ddp", "zero1", "fsdp")
 GIB = 2 ** 30
@@ -423,8 +424,8 @@ def mfu_from_metrics(path: Path) -> float:
         raise ConfigError(f"--mfu {path}: cannot read it ({exc.strerror or exc})") from exc
     for line in lines:
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = loads_json(line)
+        except ValueError:  # a torn or foreign line (nested past the parser's depth too)
             continue
         if isinstance(record, dict) and isinstance(record.get("mfu"), (int, float)) and record["mfu"] > 0:
             values.append(float(record["mfu"]))

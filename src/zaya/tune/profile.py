@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from zaya.errors import ConfigError
-from zaya.fsutil import atomic_write_text, cache_root
+from zaya.fsutil import atomic_write_text, cache_root, read_json
 
 PROFILE_VERSION = 1
 PROFILE_ENV = "ZAYA_HARDWARE_PROFILE"
@@ -131,8 +131,8 @@ def read_profile(path: str | Path) -> HardwareProfile:
     path = Path(path)
     fix = f"delete {path} or rerun `zaya tune gemm` / `zaya tune comm` to rewrite it"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
+        data = read_json(path)
+    except ValueError as err:  # not JSON, not UTF-8, or nested past the parser's depth
         raise ConfigError(f"{path}: not valid JSON ({err}); {fix}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a hardware profile is a JSON object; {fix}")
