@@ -151,6 +151,9 @@ def test_a_bad_device_is_excluded_and_a_repeated_fault_ends_with_a_diagnosis(tmp
     summary = read_events(run / "aegis")[-1]
     assert summary["outcome"] == "gave up" and summary["exit_code"] == 70
     assert "aegis.max_repeats = 1" in summary["diagnosis"] and "rank_exited" in summary["diagnosis"]
+    # given up: the ranks kept their RAM-tier copy for a restart (exit 70 under a supervisor); the supervisor drops it
+    assert (tmp_path / "run.ram").is_dir() and not list((tmp_path / "run.ram").iterdir())
+    assert "aegis: removed the run's RAM-tier copies" in done.stderr
     # the excluded run resumed its 2-rank checkpoint on 1 rank: its losses go on from where it stopped
     steps = [r["step"] for r in train_records(run)]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 6

@@ -108,6 +108,18 @@ def test_the_next_store_sweeps_copies_whose_runs_have_ended_and_keeps_the_others
     assert store.ram.directory.is_dir()  # its own directory, claimed
 
 
+def test_remove_takes_a_given_up_runs_directory_only_when_it_is_the_users_alone(tmp_path):
+    """What a supervisor that gave a run up calls (its ranks kept their copies for a restart that never comes)."""
+    root = tmp_path / "shm"
+    root.mkdir(mode=0o700)
+    run = write_copy(root, "given-up", {"process": procs.record(), "launcher": None, "supervisor": procs.record()})
+    other = write_copy(root, "open", None)
+    os.chmod(other, 0o777)
+    assert ram_owners.remove(other) is False and other.is_dir()  # writable by others: never touched
+    assert ram_owners.remove(run) is True and not run.exists() and other.is_dir()
+    assert ram_owners.remove(run) is False  # gone already
+
+
 def _fail_at_step(monkeypatch, step: int, exc: BaseException) -> None:
     import zaya.train.trainer as trainer
 

@@ -499,6 +499,9 @@ class Supervisor:
                 pass
 
     def _finish(self, start: float, outcome: str, code: int, diagnosis: str = "") -> int:
+        if outcome == "gave up":
+            self._kill()
+            self._forget_ram_tier()
         wall = time.time() - start
         productive = productive_seconds(self.run_dir)
         ettr = productive / wall if wall > 0 else None
@@ -507,6 +510,18 @@ class Supervisor:
                         ettr=round(ettr, 4) if ettr is not None else None)
         self._say(f"aegis: {outcome} (exit code {code}); ETTR {ettr:.3f}" + (f"; {diagnosis}" if diagnosis else ""))
         return code
+
+    def _forget_ram_tier(self) -> None:
+        """Remove this node's RAM-tier copies of the run given up (its ranks are gone and none will be restarted;
+        the disk checkpoints stay for a later resume)."""
+        from zaya.checkpoint import ram_owners
+        from zaya.checkpoint.ram_tier import ram_tier_directory
+
+        if not self.config.checkpoint.ram_tier:
+            return
+        directory = ram_tier_directory(self.run_dir, self.config.checkpoint.ram_dir)
+        if ram_owners.remove(directory):
+            self._say(f"aegis: removed the run's RAM-tier copies ({directory}): no relaunch will read them")
 
     def _say(self, text: str) -> None:
         print(text, file=sys.stderr, flush=True)

@@ -10,7 +10,8 @@ The RAM tier (``ram_tier``) lives in memory that outlasts its processes, so noth
   (host, pid, start time: ``zaya.procs``), the torchrun agent that launched it, if any, and the supervisor that
   will relaunch it, if any (``zaya run`` names itself to its ranks in ``SUPERVISOR_ENV``).
 - **Removed when its run has ended.** A finished run removes its copy (the store's ``forget_ram_tier``), and so does
-  a run that ends in an error no supervisor will restart (``restart_expected``); a stopped run (exit 75) keeps it for
+  a run that ends in an error no supervisor will restart (``restart_expected``), and a supervisor that gives a run
+  up removes the run's directory once it has stopped the ranks (``remove``); a stopped run (exit 75) keeps it for
   the resume its exit code asks for. Whatever is left behind (a killed run, a stop never resumed) is removed by the
   next process that uses the tier on that node (``sweep``): a run directory goes once every process, launcher and
   supervisor its owner records name has provably ended, so a supervised job's crash-restart still finds its copy.
@@ -138,6 +139,17 @@ def ended(directory: Path) -> bool:
             except OverflowError:  # a pid or start time no process has (an infinite one): not provably ended
                 return False
     return True
+
+
+def remove(directory: Path) -> bool:
+    """Remove one run's directory of the tier (every copy of that run on this node), for the supervisor that gave
+    the run up once its processes are gone: nothing will restart from it, and the memory would stay taken until
+    another run on the node used the tier. Nothing is touched under a root or directory that is not this user's
+    alone. Whether it was removed."""
+    if problem(directory.parent) is not None or problem(directory) is not None or not directory.is_dir():
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    return not directory.exists()
 
 
 def sweep(root: Path, keep: Path) -> list[Path]:
