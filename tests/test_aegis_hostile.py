@@ -40,7 +40,7 @@ BAD_HEARTBEATS = {  # what the file holds -> what the refusal says about it
 
 @pytest.fixture
 def sleeper():
-    """A live process the malformed heartbeats name (when they name one): it must never be signalled."""
+    """An unrelated live process (a `sleep`): what a stale or malformed heartbeat's pid may name; never signalled."""
     proc = subprocess.Popen(["sleep", "300"])
     yield proc
     proc.kill()

@@ -19,21 +19,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from test_aegis_hostile import sleeper  # noqa: F401 - a fixture: an unrelated live process
 from tests.test_aegis_runs import SETTINGS, aegis_table, leftover_processes
 from zaya.aegis.chaos import request
 from zaya.aegis.heartbeat import Heartbeat, heartbeat_dir, read_heartbeats
 from zaya.aegis.lineage import (STOP_GRACE_ENV, SUPERVISOR_PID_ENV, SUPERVISOR_START_ENV, parent_death_signal,
                                 supervisor_gone)
 from zaya.errors import ConfigError
-
-
-@pytest.fixture
-def sleeper():
-    """An unrelated live process (a `sleep`): what a stale heartbeat's pid may name by now."""
-    proc = subprocess.Popen(["sleep", "300"])
-    yield proc
-    proc.kill()
-    proc.wait()
 
 
 def write_heartbeat(run: Path, rank: int, **fields) -> None:
