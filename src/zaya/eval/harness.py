@@ -116,12 +116,13 @@ class ZayaLM(_lm_base()):
 
 
 def evaluate_tasks(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,
-                   num_fewshot: int | None = None, num_slots: int = 8) -> dict:
-    """``lm_eval.simple_evaluate`` of ``tasks`` on the model; the harness's results dict (``results`` per task)."""
+                   num_fewshot: int | None = None, num_slots: int = 8, capacity: int | None = None) -> dict:
+    """``lm_eval.simple_evaluate`` of ``tasks`` on the model; the harness's results dict (``results`` per task).
+    ``capacity``: the tokens each of the engine's slots holds (default the model's max_seq_len)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    lm = ZayaLM(model, tokenizer, num_slots=num_slots, capacity=capacity)  # its slots first: checked, not indexed
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()
-    lm = ZayaLM(model, tokenizer, num_slots=num_slots)
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
                                    log_samples=False, bootstrap_iters=0)

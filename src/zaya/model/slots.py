@@ -27,8 +27,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from zaya.errors import ConfigError
 from zaya.model.attention import AttentionCache
 from zaya.model.layers import _rms_norm, apply_rotary
+
+
+class SlotMemoryError(ConfigError):
+    """Slots whose KV cache and CCA state need more memory than the device has available: refused before anything
+    is allocated (a ``max_seq_len`` of 2**40 in a config failed in ``torch.zeros``; one just small enough would have
+    taken every free byte). ``what`` says what was asked and what is free; the message adds a fix a caller may
+    replace with its own flags (``ConfigError(f"{exc.what}: FIX")``)."""
+
+    def __init__(self, num_slots: int, capacity: int, needed: int, available: int, device: torch.device) -> None:
+        self.num_slots, self.capacity, self.needed, self.available = num_slots, capacity, needed, available
+        self.what = (f"{num_slots} slot(s) of {capacity:,} tokens need {needed:,} bytes ({needed / 2**30:,.2f} GiB) "
+                     f"for their KV cache and CCA state, and {device} has {available:,} bytes "
+                     f"({available / 2**30:,.2f} GiB) available")
+        super().__init__(f"{self.what}: use fewer slots or a shorter context")
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes a new allocation on ``device`` can take: the free memory of a CUDA/ROCm device
+    (``torch.cuda.mem_get_info``), the system's available memory for the CPU (``psutil``); None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().available
+    return None
 
 
 class _LayerWeights:
@@ -127,6 +154,10 @@ class SlotDecoder:
         self.model = model
         self.num_slots = num_slots
         self.capacity = capacity
+        device = model.embed.weight.device
+        needed, available = self.bytes_needed(model, num_slots, capacity, dtype), available_memory(device)
+        if available is not None and needed > available:
+            raise SlotMemoryError(num_slots, capacity, needed, available, device)
         # one scratch column past the capacity: idle rows of a decode step write their K/V there
         state = model.new_state(num_slots, capacity + 1, dtype)
         self.caches: list[AttentionCache] = state.caches
@@ -135,6 +166,21 @@ class SlotDecoder:
         self.device = model.embed.weight.device
         self._rows = torch.arange(num_slots, device=self.device)
         self._key_index = torch.arange(capacity + 1, device=self.device)
+
+    @staticmethod
+    def bytes_needed(model, num_slots: int, capacity: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes a decoder of ``num_slots`` slots of ``capacity`` tokens allocates when it is built: every layer's
+        KV cache and CCA state (their shapes taken from the layers' own ``new_cache`` on the meta device, so nothing
+        is allocated), the valid-key mask and the key index, each with the scratch column."""
+        meta = torch.device("meta")
+        dtype = dtype or model.embed.weight.dtype
+        columns = capacity + 1
+        total = num_slots * columns + 8 * columns  # key_valid (bool) and the key index (int64)
+        for block in model.blocks:
+            cache = block.attention.new_cache(num_slots, columns, dtype, meta)
+            total += sum(t.numel() * t.element_size() for t in (cache.keys, cache.values, cache.conv_state,
+                                                                 cache.value_state) if t is not None)
+        return total
 
     # ------------------------------------------------------------------------------------------- slots
     def reset(self, slot: int, count: int = 1) -> None:
