@@ -8,15 +8,23 @@ Two bounds, because a template is code:
   templates use is there: ``trim_blocks`` / ``lstrip_blocks``, the loop controls (``break``, ``continue``),
   ``namespace``, a ``tojson`` filter that keeps non-ASCII text, ``raise_exception(message)`` (a template refusing
   the messages, e.g. roles that do not alternate) and ``strftime_now(format)``.
-- **What it may cost**: it renders in a child process (``python -m zaya.serve.template_sandbox``) with an address
-  space limit, a wall-clock alarm per render and a limit on the rendered text; the parent (``TemplateProcess``)
-  kills and restarts a child that does not answer in time. A template with a loop of 10**10 empty iterations, or
-  one that doubles a string forty times, fails that request and nothing else.
+- **What it may cost**: it is compiled and rendered only in a child process (``python -m
+  zaya.serve.template_sandbox``) with an address space limit, a wall-clock alarm per compile and per render and a
+  limit on the rendered text; the parent (``TemplateProcess``) never compiles it, and kills and restarts a child
+  that does not answer in time. A template with a loop of 10**10 empty iterations, or one that doubles a string
+  forty times, fails that request and nothing else.
+- **Nothing runs while compiling**: Jinja evaluates constant expressions when it compiles a template (its optimizer,
+  and the output of ``{{ ... }}`` whose operands are literals), so ``{{ 'x' * 10000000000 }}`` allocated 10 GB and
+  ``{{ 'x'|center(500000000) }}`` took 9 s and 1.9 GB while compiling. The environment compiles without the
+  optimizer and with a ``finalize`` that needs the render's context, which Jinja cannot fold; every expression is
+  then evaluated when rendering, inside the bounds.
 
-The child reads one JSON line with the template, then one JSON line per render (the template's variables) and
-answers each with one JSON line: ``{"text": ...}`` or ``{"error": kind, "message": ...}``, where kind is
-``refused`` (``raise_exception``), ``unsafe`` (the sandbox stopped it), ``timeout``, ``too_large``, ``memory`` or
-``failed`` (any other error in the template).
+The child reads one JSON line with the template and the compile timeout and answers ``{"compiled": true}`` or
+``{"error": kind, "message": ..., "line": n}`` (kind ``syntax`` for a template that does not parse, after which the
+child exits); then one JSON line per render (the template's variables), each answered with one JSON line:
+``{"text": ...}`` or ``{"error": kind, "message": ...}``, where kind is ``refused`` (``raise_exception``),
+``unsafe`` (the sandbox stopped it), ``timeout``, ``too_large``, ``memory`` or ``failed`` (any other error in the
+template).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from datetime import datetime
 
 MAX_MEMORY = 1 << 30
 """The child's address space limit (bytes): a template that builds a huge string gets a MemoryError there."""
+STARTUP_S = 10.0
+"""Seconds a new child may take to start (an interpreter, Jinja) on top of the compile timeout."""
 
 
 class TemplateRefused(Exception):
@@ -40,11 +50,12 @@ class TemplateRefused(Exception):
 
 
 class RenderError(Exception):
-    """A render that failed: ``kind`` as in the module docstring, ``message`` what the template or the bound said."""
+    """A compile or render that failed: ``kind`` as in the module docstring, ``message`` what the template or the
+    bound said, ``line`` the template's line of a syntax error (when known)."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, line: int | None = None) -> None:
         super().__init__(message)
-        self.kind, self.message = kind, message
+        self.kind, self.message, self.line = kind, message, line
 
 
 def environment():
@@ -62,8 +73,12 @@ def environment():
     def strftime_now(format):
         return datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    @jinja2.pass_context
+    def finalize(context, value):  # needs the context, so Jinja cannot fold {{ <literal expression> }} when compiling
+        return value
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+                                        optimized=False, finalize=finalize)
     env.filters["tojson"] = tojson  # Jinja's own escapes HTML characters, which a prompt must not get
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -71,7 +86,8 @@ def environment():
 
 
 def compile_template(source: str):
-    """The compiled template (parsing runs nothing); ``jinja2.TemplateSyntaxError`` for a malformed one."""
+    """The compiled template (evaluating none of its expressions, see the module docstring);
+    ``jinja2.TemplateSyntaxError`` for a malformed one. Called in the child only."""
     return environment().from_string(source)
 
 
@@ -119,8 +135,30 @@ def _render_one(template, request: dict) -> dict:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def _compile_one(source: str, timeout: float):
+    """(the compiled template or None, the reply to the parent)."""
+    from jinja2 import TemplateSyntaxError
+
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        return compile_template(source), {"compiled": True}
+    except TemplateSyntaxError as exc:  # TemplateAssertionError too (an unknown filter, a block defined twice)
+        return None, {"error": "syntax", "message": f"{type(exc).__name__}: {exc.message}", "line": exc.lineno}
+    except RecursionError:
+        return None, {"error": "syntax", "message": "the template nests too deeply to parse"}
+    except _Alarm:
+        return None, {"error": "timeout", "message": f"compiling the template took longer than {timeout:g} s"}
+    except MemoryError:
+        return None, {"error": "memory", "message": "compiling the template ran out of memory"}
+    except Exception as exc:  # noqa: BLE001 - whatever else the compiler raised is this template's answer
+        return None, {"error": "failed", "message": f"compiling the template: {type(exc).__name__}: {exc}"}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 def main() -> None:
-    """The child: limit the address space, compile the template, answer renders until stdin closes."""
+    """The child: limit the address space, compile the template (answering whether it compiled; exiting when it did
+    not), answer renders until stdin closes."""
     import resource
 
     limit = int(sys.argv[1]) if len(sys.argv) > 1 else MAX_MEMORY
@@ -128,21 +166,33 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is the parent's to handle
     signal.signal(signal.SIGALRM, _on_alarm)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    template = compile_template(json.loads(stdin.readline())["template"])
+
+    def answer(reply: dict) -> None:
+        stdout.write(json.dumps(reply, ensure_ascii=True).encode() + b"\n")
+        stdout.flush()
+
+    first = json.loads(stdin.readline())
+    try:
+        template, reply = _compile_one(first["template"], first["timeout"])
+    except _Alarm:  # fired between the compile's end and the timer's reset
+        template, reply = None, {"error": "timeout", "message": "compiling the template took too long"}
+    answer(reply)
+    if template is None:
+        return
     for line in stdin:
         try:
             reply = _render_one(template, json.loads(line))
         except _Alarm:  # fired between the render's end and the timer's reset
             reply = {"error": "timeout", "message": "rendering took too long"}
-        stdout.write(json.dumps(reply, ensure_ascii=True).encode() + b"\n")
-        stdout.flush()
+        answer(reply)
 
 
 # ----------------------------------------------------------------------------------------------- the parent
 class TemplateProcess:
-    """Renders one template in a child process, one render at a time (thread-safe). ``render`` raises
-    ``RenderError``; a child that does not answer within ``timeout`` (plus a second for the pipe) is killed and a
-    new one started for the next render."""
+    """Compiles and renders one template in a child process, one render at a time (thread-safe). ``check`` starts
+    the child and compiles the template; ``render`` (starting a child when there is none) raises ``RenderError``. A
+    child that does not answer within ``timeout`` (plus a second for the pipe; plus ``STARTUP_S`` while it starts)
+    is killed and a new one started for the next render."""
 
     def __init__(self, source: str, timeout: float, max_chars: int, max_memory: int = MAX_MEMORY) -> None:
         self.source, self.timeout, self.max_chars, self.max_memory = source, timeout, max_chars, max_memory
@@ -150,38 +200,55 @@ class TemplateProcess:
         self._proc: subprocess.Popen | None = None
         self._buffer = b""
 
-    def _start(self) -> subprocess.Popen:
+    def check(self) -> None:
+        """Start a child and compile the template in it: ``RenderError`` when it does not compile (kind ``syntax``:
+        it does not parse, with ``line``; ``timeout`` or ``memory``: the compile passed the bounds)."""
+        with self._lock:
+            self._ensure()
+
+    def _ensure(self) -> None:
+        """A live child that compiled the template: the one there is, or a new one."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self._kill()
         import zaya
 
         root = os.path.dirname(os.path.dirname(os.path.abspath(zaya.__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        proc = subprocess.Popen([sys.executable, "-m", "zaya.serve.template_sandbox", str(self.max_memory)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        proc.stdin.write(json.dumps({"template": self.source}).encode() + b"\n")
-        proc.stdin.flush()
+        self._proc = subprocess.Popen([sys.executable, "-m", "zaya.serve.template_sandbox", str(self.max_memory)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._buffer = b""
-        return proc
+        wait = STARTUP_S + self.timeout
+        answer = self._ask({"template": self.source, "timeout": self.timeout}, wait,
+                           f"did not compile the template within {wait:g} s (killed; a new one tries again for the "
+                           "next request)")
+        if "error" in answer:
+            self._kill()
+            raise RenderError(answer["error"], answer["message"], answer.get("line"))
 
     def render(self, variables: dict) -> str:
-        line = json.dumps({"variables": variables, "timeout": self.timeout, "max_chars": self.max_chars},
-                          ensure_ascii=True).encode() + b"\n"
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._proc = self._start()
-            try:
-                self._proc.stdin.write(line)
-                self._proc.stdin.flush()
-                reply = self._read_line(time.monotonic() + self.timeout + 1.0)
-            except OSError:  # the child died (a broken pipe)
-                reply = None
-            if reply is None:
-                self._kill()
-                raise RenderError("timeout", f"the template process gave no answer within {self.timeout:g} s "
-                                             "(killed; a new one renders the next request)")
-        answer = json.loads(reply)
+            self._ensure()
+            answer = self._ask({"variables": variables, "timeout": self.timeout, "max_chars": self.max_chars},
+                               self.timeout + 1.0, f"gave no answer within {self.timeout:g} s (killed; a new one "
+                                                   "renders the next request)")
         if "error" in answer:
             raise RenderError(answer["error"], answer["message"])
         return answer["text"]
+
+    def _ask(self, request: dict, wait: float, silence: str) -> dict:
+        """Send the child one line and read its answer; a child that dies or does not answer within ``wait``
+        seconds is killed (``RenderError("timeout", "the template process " + silence)``)."""
+        try:
+            self._proc.stdin.write(json.dumps(request, ensure_ascii=True).encode() + b"\n")
+            self._proc.stdin.flush()
+            reply = self._read_line(time.monotonic() + wait)
+        except OSError:  # the child died (a broken pipe)
+            reply = None
+        if reply is None:
+            self._kill()
+            raise RenderError("timeout", f"the template process {silence}")
+        return json.loads(reply)
 
     def _read_line(self, deadline: float) -> bytes | None:
         """The child's next line, or None when it dies or the deadline passes."""
