@@ -11,12 +11,25 @@ special tokens at the first ids::
 
 A loaded tokenizer keeps its own ids; its special tokens are found by the usual names (``<eos>``, ``</s>``,
 ``<|endoftext|>`` ...) unless given explicitly.
+
+A ``tokenizer.json`` is a program of sorts (regular expressions, normalizers, decoders), and the library can fail on
+a text: a Split pattern such as ``^(a+)+$`` makes Oniguruma give up on ``"a" * 40 + "!"`` with a Rust panic, which
+reaches Python as ``pyo3_runtime.PanicException``, a ``BaseException`` that ``except Exception`` lets through.
+Every encode and decode of the wrapper turns any failure of the library into a ``TokenizerFailure`` (a
+``ConfigError``, exit 2) naming the file and the fix; a server answers that request alone with a 400.
+
+A tokenizer is checked against the model it serves (``check_model``): one with ids past the model's vocabulary is
+refused (those ids would leave the embedding), as is one without the model's eos id; one that covers much less of
+the vocabulary than the model has gets a warning. Ids the tokenizer does not have decode visibly, as
+``<unk:ID>`` (the library drops them: a model on a 20-entry tokenizer generated empty text).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -24,6 +37,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from zaya.errors import ConfigError
+from zaya.fsutil import loads_json
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
@@ -39,6 +53,18 @@ _CANDIDATES = {
 
 class TokenizerError(ConfigError):
     """A tokenizer file that cannot be used, or a request it cannot serve."""
+
+
+class TokenizerFailure(TokenizerError):
+    """The tokenizer library failed on one text or list of ids (a Rust panic, a regex that gave up): the tokenizer
+    file is at fault, and another text may work."""
+
+
+UNKNOWN = "<unk:{}>"
+"""How ``decode`` renders an id the tokenizer does not have."""
+COVERAGE_WARNING = 7 / 8
+"""``check_model`` warns when the tokenizer has fewer entries than this share of the model's vocabulary (models pad
+their vocabulary a little: ZAYA1 has 262,272 rows for Gemma3's 262,144 tokens plus a few special ones)."""
 
 
 def round_up(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
@@ -63,10 +89,17 @@ class Tokenizer:
         self.special = special
         self.source = source
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        ids = backend.get_vocab(with_added_tokens=True).values()
         # Ids of added tokens can exceed the base vocabulary; the dtype must hold the largest id.
-        self.max_id = max(self.vocab_size - 1, *backend.get_vocab(with_added_tokens=True).values())
-        canonical = json.dumps(json.loads(backend.to_str()), sort_keys=True, separators=(",", ":"))
+        self.max_id = max(self.vocab_size - 1, *ids)
+        self._known = bytearray(self.max_id + 1)
+        """1 at every id the tokenizer has (a vocabulary may have holes)."""
+        for i in ids:
+            self._known[i] = 1
+        canonical = json.dumps(loads_json(backend.to_str()), sort_keys=True, separators=(",", ":"))
         self.sha256 = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+        self._specials_backend = None
+        self._specials_lock = threading.Lock()
 
     # --- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -119,13 +152,89 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with no special tokens added."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        with self._library("this text"):
+            return self.backend.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        with self._library("these texts"):
+            return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def encode_fast(self, text: str, special_tokens: bool = False) -> list[int]:
+        """``encode(text)`` through the library's ``encode_batch_fast``, which releases the GIL while it runs and
+        keeps no offsets (``encode`` held the GIL 12 s and took 1 GB for a 4 MB prompt): what a server calls.
+        ``special_tokens``: text that spells a special token is that token (a chat template's output, where
+        ``<|eos|>`` means the token) rather than ordinary text."""
+        backend = self._specials() if special_tokens else self.backend
+        with self._library("this text"):
+            return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """The text of ``ids``; an id the tokenizer does not have is rendered as ``<unk:ID>`` (not dropped)."""
+        ids = [int(i) for i in ids]
+        known, size = self._known, len(self._known)
+        with self._library("these token ids"):
+            if all(0 <= i < size and known[i] for i in ids):
+                return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            pieces, run = [], []
+            for i in ids + [None]:
+                if i is not None and 0 <= i < size and known[i]:
+                    run.append(i)
+                    continue
+                if run:
+                    pieces.append(self.backend.decode(run, skip_special_tokens=skip_special_tokens))
+                    run = []
+                if i is not None:
+                    pieces.append(UNKNOWN.format(i))
+            return "".join(pieces)
+
+    def token_text(self, token: int) -> str | None:
+        """The vocabulary's spelling of ``token`` (``id_to_token``), None for an id it does not have."""
+        return self.backend.id_to_token(token) if 0 <= token < len(self._known) and self._known[token] else None
+
+    def check_model(self, vocab_size: int, eos_token_id: int, model: str) -> str | None:
+        """Check this tokenizer against a model with ``vocab_size`` embedding rows and ``eos_token_id`` (``model``
+        names it): ``TokenizerError`` when an id of the tokenizer is past the model's vocabulary, or the model's
+        eos is not a token of the tokenizer; a warning (returned) when the tokenizer covers less than
+        ``COVERAGE_WARNING`` of the model's vocabulary, else None."""
+        if self.max_id >= vocab_size:
+            raise TokenizerError(
+                f"the tokenizer {self.source} has ids up to {self.max_id:,} ({self.vocab_size:,} entries) but the "
+                f"model {model} has a vocabulary of {vocab_size:,}: its ids past {vocab_size - 1:,} would leave the "
+                "embedding; use the tokenizer the model was trained with (--tokenizer FILE)")
+        if self.token_text(eos_token_id) is None:
+            raise TokenizerError(
+                f"the model {model} ends a document with token id {eos_token_id:,}, which the tokenizer "
+                f"{self.source} ({self.vocab_size:,} entries) does not have; use the tokenizer the model was "
+                "trained with (--tokenizer FILE)")
+        if self.vocab_size < COVERAGE_WARNING * vocab_size:
+            return (f"the tokenizer {self.source} has {self.vocab_size:,} entries, the model {model} a vocabulary "
+                    f"of {vocab_size:,}: ids the tokenizer does not have print as {UNKNOWN.format('ID')}; is it the "
+                    "tokenizer the model was trained with?")
+        return None
+
+    def _specials(self):
+        """A copy of the backend that encodes text spelling a special token as that token (the shared one encodes
+        it as plain text and is used from other threads at the same time, so its flag is never switched)."""
+        with self._specials_lock:
+            if self._specials_backend is None:
+                from tokenizers import Tokenizer as Backend
+
+                backend = Backend.from_str(self.backend.to_str())
+                backend.encode_special_tokens = False
+                self._specials_backend = backend
+            return self._specials_backend
+
+    @contextmanager
+    def _library(self, what: str):
+        """Any failure of the tokenizer library inside the block is a ``TokenizerFailure`` naming the file."""
+        try:
+            yield
+        except (KeyboardInterrupt, SystemExit, MemoryError):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a Rust panic is a pyo3 PanicException, a BaseException
+            reason = " ".join(str(exc).split())[:300]
+            raise TokenizerFailure(f"the tokenizer {self.source} failed on {what} ({type(exc).__name__}: {reason}); "
+                                   "fix or replace the tokenizer") from None
 
     def save(self, path: str | Path) -> None:
         from zaya.fsutil import atomic_write_text
