@@ -95,14 +95,59 @@ def test_a_template_that_cannot_be_used_stops_the_server_at_start(tmp_path, shak
     from zaya.errors import ConfigError
     from zaya.serve.chat import ChatTemplate
 
-    for config, words in (({"chat_template": "{% for m in messages %}{{ m }"}, "does not parse"),
+    deep = '{"chat_template": ' + "[" * 100000 + "]" * 100000 + "}"  # nested past the recursion limit
+    for config, words in (({"chat_template": "{% for m in messages %}{{ m }"}, "does not parse on line 1"),
+                          ({"chat_template": "x\n{{ messages|no_such_filter }}"}, "does not parse on line 2"),
+                          ({"chat_template": "{% if x %}" * 5000}, "nests too deeply"),
                           ('{"chat_template": "x"', "cannot be read as JSON"),
+                          (deep, "cannot be read as JSON .JSON nested too deeply"),
                           ({"chat_template": [{"name": "tool_use", "template": "x"}]}, "none 'default'"),
                           ({"chat_template": 3}, "not a template string")):
         tok = _tokenizer_dir(tmp_path, shakespeare_dataset, config=config)
         with pytest.raises(ConfigError, match=words) as caught:
             ChatTemplate.for_tokenizer(tok)
         assert "tokenizer_config.json" in str(caught.value)
+
+
+def _never_compile_here(monkeypatch):
+    """Jinja compiling in this (the server's) process fails the test, before it could fold a 10 GB constant."""
+    import jinja2
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a chat template was compiled in the server's process")
+
+    monkeypatch.setattr(jinja2.Environment, "compile", refuse)
+
+
+def test_compiling_a_template_evaluates_none_of_it():
+    """Jinja folds constant expressions while compiling (the optimizer, and {{ }} of literals): the compiled code of
+    these templates held their 10 MB results (at 10**10, compiling took 10 GB in the server process)."""
+    from zaya.serve.template_sandbox import environment
+
+    for source in ("{{ 'x' * 10000000 }}", "{{ 'x'|center(10000000) }}", "{% if 'ab' * 10000000 %}y{% endif %}",
+                   "{% set s = 'x' * 10000000 %}{{ s }}", "{{ ('x' * 10000000)|length }}"):
+        assert len(environment().compile(source, raw=True)) < 20000, source
+
+
+def test_a_template_is_compiled_only_in_its_child(tmp_path, shakespeare_dataset, monkeypatch):
+    """The server's process never compiles a template (T13: {{ 'x' * 10000000000 }} OOM-killed zaya serve at
+    start); the child's bounds make such a template fail its request, and the next one renders."""
+    from zaya.serve.chat import ChatTemplate, ChatTemplateError
+
+    _never_compile_here(monkeypatch)
+    for source, kind in (("{{ 'x' * 10000000000 }}", "memory"), ("{{ 'x'|center(500000000) }}", "too_large"),
+                         ("{{ 'x'|center(10000000000) }}", "memory")):
+        tok = _tokenizer_dir(tmp_path, shakespeare_dataset, "{% if messages[0]['content'] == 'go' %}" + source
+                             + "{% else %}ok{% endif %}")
+        start = time.time()
+        template = ChatTemplate.for_tokenizer(tok, timeout=2.0, max_chars=1 << 20, max_memory=512 << 20)
+        try:
+            with pytest.raises(ChatTemplateError, match=kind):
+                template.render([{"role": "user", "content": "go"}])
+            assert template.render([{"role": "user", "content": "fine"}])[0] == tok.encode("ok")
+        finally:
+            template.close()
+        assert time.time() - start < 10
 
 
 def test_a_pathological_template_is_bounded(tmp_path, shakespeare_dataset):
@@ -138,7 +183,9 @@ def test_the_server_with_a_hostile_template(tmp_path, shakespeare_dataset, monke
     from zaya.serve.server import build_app
 
     monkeypatch.chdir(tmp_path)
+    _never_compile_here(monkeypatch)
     template = ("{% if messages[0]['content'] == 'escape' %}{{ cycler.__init__.__globals__.os.system('touch MARKER') }}"
+                "{% elif messages[0]['content'] == 'huge' %}{{ 'x' * 10000000000 }}"
                 "{% elif messages[0]['content'] == 'hang' %}{% for i in range(100000) %}{% for j in range(100000) %}"
                 "{% endfor %}{% endfor %}{% elif messages|length > 1 %}{{ raise_exception('one message only') }}"
                 "{% else %}{{ bos_token }}U: {{ messages[0]['content'] }}\nA:{% endif %}")
@@ -150,6 +197,8 @@ def test_the_server_with_a_hostile_template(tmp_path, shakespeare_dataset, monke
         r = post_json(chat, {"messages": [{"role": "user", "content": "escape"}]})
         assert r.status_code == 500 and "tokenizer_config.json" in r.json()["error"]["message"]
         assert not (tmp_path / "MARKER").exists()
+        r = post_json(chat, {"messages": [{"role": "user", "content": "huge"}]})
+        assert r.status_code == 500 and "(memory)" in r.json()["error"]["message"]
         r = post_json(chat, {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]})
         assert r.status_code == 400 and "one message only" in r.json()["error"]["message"]
         hung = {}

@@ -100,3 +100,42 @@ def test_a_signal_stops_the_server_with_requests_in_flight(checkpoint, tmp_path,
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_a_signal_stops_the_server_with_half_sent_bodies(checkpoint, tmp_path):
+    """Clients that sent their headers and half a body (and one that sent nothing) do not hold the server past
+    --shutdown-timeout: uvicorn waited for the rest of the bodies until its own timeout, 8.3 s for a 3 s one. The
+    half-sent requests get a 503 saying why."""
+    import socket
+
+    proc, url, log = _start(checkpoint, tmp_path, "--shutdown-timeout", "1")
+    port = int(url.rsplit(":", 1)[1])
+    sockets = []
+    try:
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 50\r\n\r\n{\"prompt\": ")
+            sockets.append(s)
+        sockets.append(socket.create_connection(("127.0.0.1", port), timeout=10))  # connected, nothing sent
+        time.sleep(0.5)
+        start = time.time()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        took = time.time() - start
+        log.seek(0)
+        output = log.read()
+        assert took < 1 + 1.5, f"{took:.1f} s to stop after SIGTERM with a 1 s shutdown timeout\n{output}"
+        assert "Traceback" not in output, output
+        for s in sockets[:2]:
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 503") and b"the server is stopping" in answer, answer
+    finally:
+        for s in sockets:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -174,6 +174,10 @@ def _load(args: argparse.Namespace, need_tokenizer: bool, device=None):
     if tokenizer_path is None and need_tokenizer:
         raise errors.ConfigError(f"{directory}: no tokenizer.json beside this checkpoint; pass --tokenizer FILE")
     tokenizer = Tokenizer.from_file(tokenizer_path) if tokenizer_path is not None else None
+    if tokenizer is not None:  # ids past the model's vocabulary refused; a much smaller tokenizer warned about
+        warning = tokenizer.check_model(model.config.vocab_size, model.config.eos_token_id, str(directory))
+        if warning:
+            print(f"# warning: {warning}", file=sys.stderr)
     return model, tokenizer, describe(directory)
 
 
@@ -206,7 +210,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         with torch.no_grad(), autocast(device, args.dtype):
             prompt = torch.tensor([prompt_ids], device=device)
             if runtime is None:
-                out = model.generate(prompt, **options)
+                from zaya.model.slots import SlotMemoryError
+
+                try:  # its KV cache holds the prompt and --max-new-tokens, checked before it is allocated
+                    out = model.generate(prompt, **options)
+                except SlotMemoryError as exc:
+                    raise errors.ConfigError(f"{exc.what}: ask for fewer --max-new-tokens (now "
+                                             f"{args.max_new_tokens}) or give a shorter --prompt") from None
             else:
                 from zaya.dist.tree_decoding import tree_generate
 
@@ -273,12 +283,20 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     from zaya.device import autocast
     from zaya.eval.harness import evaluate_tasks
 
+    from zaya.model.slots import SlotMemoryError
+    from zaya.serve.limits import context_length
+
     model, tokenizer, where = _load(args, need_tokenizer=True)
     tasks = [t for t in args.tasks.split(",") if t]
     device = next(model.parameters()).device
-    with torch.no_grad(), autocast(device, args.dtype):
-        out = evaluate_tasks(model, tokenizer, tasks, include_path=args.include_path, limit=args.limit,
-                             num_fewshot=args.num_fewshot)
+    context = context_length(args.max_model_len, model.config.max_seq_len, cap=None)
+    try:  # the engine's slots hold the model's max_seq_len unless told: checked before they are allocated
+        with torch.no_grad(), autocast(device, args.dtype):
+            out = evaluate_tasks(model, tokenizer, tasks, include_path=args.include_path, limit=args.limit,
+                                 num_fewshot=args.num_fewshot, capacity=context)
+    except SlotMemoryError as exc:
+        raise errors.ConfigError(f"{exc.what}: pass a smaller --max-model-len (now {context}), the context each "
+                                 "slot holds") from None
     if out is None:
         raise errors.ConfigError(f"lm-eval returned no results for {tasks}")
     results = {"checkpoint": where, "tasks": out["results"]}
@@ -295,7 +313,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     """``zaya serve``: the OpenAI-compatible HTTP API on the serving engine (docs/serving.md)."""
     from zaya.serve.gate import API_KEY_ENV
-    from zaya.serve.limits import ServeLimits
+    from zaya.serve.limits import ServeLimits, context_length
     from zaya.serve.server import serve
 
     if args.slots < 1 or args.prefill_chunk < 1:
@@ -312,10 +330,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         model = model.to(torch.bfloat16)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    context = context_length(args.max_model_len, model.config.max_seq_len)
     print(f"# serving {where} as {name!r} on http://{args.host}:{args.port} ({args.slots} slots of "
-          f"{model.config.max_seq_len} tokens)", file=sys.stderr)
+          f"{context} tokens)", file=sys.stderr)
     serve(model, tokenizer, host=args.host, port=args.port, model_name=name, num_slots=args.slots,
-          prefill_chunk=args.prefill_chunk, limits=limits)
+          capacity=context, prefill_chunk=args.prefill_chunk, limits=limits)
     return 0
 
 
@@ -522,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-path", metavar="DIR", help="directory of extra task YAML files for --tasks")
     p.add_argument("--limit", type=int, metavar="N", help="--tasks: at most N documents per task")
     p.add_argument("--num-fewshot", type=int, metavar="N", help="--tasks: few-shot examples")
+    p.add_argument("--max-model-len", type=int, metavar="N",
+                   help="--tasks: tokens each of the engine's slots holds (default: the model's max_seq_len); the "
+                        "slots' KV cache is checked against the memory available")
     p.add_argument("--split", default="val", help="split to evaluate (default val)")
     p.add_argument("--seq-len", type=int, default=512, metavar="N")
     p.add_argument("--batch-size", type=int, default=8, metavar="N")
@@ -532,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=_cmd_eval)
 
-    from zaya.serve.limits import ServeLimits
+    from zaya.serve.limits import DEFAULT_MAX_MODEL_LEN, ServeLimits
 
     p = verbs.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                          description="/v1/completions, /v1/chat/completions (streaming), /v1/models, /health on "
@@ -542,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the checkpoint's name)")
     p.add_argument("--slots", type=int, default=16, metavar="N", help="concurrent sequences (default 16)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="tokens each slot holds, prompt and output (default: the model's max_seq_len, at most "
+                        f"{DEFAULT_MAX_MODEL_LEN}); the slots' KV cache is checked against the memory available")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
                    help="prompt tokens per prefill chunk between decode steps (default 512)")
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: the one beside the checkpoint)")

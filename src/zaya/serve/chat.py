@@ -4,8 +4,11 @@ A tokenizer that comes with a chat template, as Hugging Face ships them (``chat_
 ``tokenizer.json``, or ``chat_template`` in the ``tokenizer_config.json`` there), is rendered with it: Jinja with
 ``add_generation_prompt=True``, ``bos_token`` / ``eos_token`` and the config's other special tokens, in the sandbox
 and the child process of ``zaya.serve.template_sandbox`` (a template is code from whoever wrote the checkpoint).
-A template that does not parse, or a config that is not JSON, is a ``ConfigError`` when the server starts; a
-template that fails on a request fails that request (``ChatTemplateError``).
+A template that does not parse (compiled in the child when the server starts), or a config that is not JSON, is a
+``ConfigError`` when the server starts; a template that fails on a request fails that request
+(``ChatTemplateError``), as does one whose compile passed the child's bounds. The template's text is encoded with
+the special tokens it spells as the special ids they are (``Tokenizer.encode_fast(special_tokens=True)``); a text
+the tokenizer fails on is a ``TokenizerFailure``.
 
 Otherwise zaya's simple template, for base models trained on plain documents::
 
@@ -18,12 +21,15 @@ know to stop after its turn, the simple template adds ``"\n\nUser:"`` as a stop 
 
 from __future__ import annotations
 
-import json
+import logging
 from pathlib import Path
 
 from zaya.errors import ConfigError
+from zaya.fsutil import read_json
 from zaya.serve.prompt import encode_prompt
-from zaya.serve.template_sandbox import MAX_MEMORY, RenderError, TemplateProcess, compile_template
+from zaya.serve.template_sandbox import MAX_MEMORY, RenderError, TemplateProcess
+
+log = logging.getLogger("zaya.serve")
 
 SIMPLE_STOP = "\n\nUser:"
 _ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
@@ -50,21 +56,18 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         self._process = None
         if jinja is not None:
-            try:
-                compile_template(jinja)
-            except Exception as exc:  # noqa: BLE001 - TemplateSyntaxError, or a parse that recursed too deeply
-                line = getattr(exc, "lineno", None)
-                raise ConfigError(f"{where}: the chat template does not parse ({type(exc).__name__}"
-                                  f"{f' on line {line}' if line else ''}: {exc}); fix it, or remove it to serve "
-                                  "with zaya's simple template") from None
             self._process = TemplateProcess(jinja, timeout, max_chars, max_memory)
-            # The template spells special tokens as text: they are encoded as the special ids they are, by a copy
-            # of the tokenizer (the shared one encodes them as plain text, see zaya.data.tokenizer, and is used
-            # from other threads at the same time).
-            from tokenizers import Tokenizer as Backend
-
-            self._specials_backend = Backend.from_str(tokenizer.backend.to_str())
-            self._specials_backend.encode_special_tokens = False
+            try:  # compiled in the bounded child only: Jinja evaluates constant expressions while compiling
+                self._process.check()
+            except RenderError as exc:
+                if exc.kind not in ("timeout", "memory"):
+                    fault = "does not parse" if exc.kind == "syntax" else "cannot be compiled"
+                    line = f" on line {exc.line}" if exc.line else ""
+                    raise ConfigError(f"{where}: the chat template {fault}{line} ({exc.message}); fix it, or "
+                                      "remove it to serve with zaya's simple template") from None
+                # it parses, but compiling it passed the bounds: each chat request tries again and fails alone
+                log.warning("%s: the chat template could not be compiled (%s): %s; each chat request will try "
+                            "again", where, exc.kind, exc.message)
 
     @classmethod
     def for_tokenizer(cls, tokenizer, **limits) -> "ChatTemplate":
@@ -78,7 +81,7 @@ class ChatTemplate:
         config_path = directory / CONFIG_FILE
         if config_path.is_file():
             try:
-                config = json.loads(config_path.read_text(encoding="utf-8"))
+                config = read_json(config_path)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"{config_path}: cannot be read as JSON ({exc}); fix or remove it") from None
             if not isinstance(config, dict):
@@ -115,10 +118,9 @@ class ChatTemplate:
         limit = capacity if capacity is not None else 1 << 62
         if self._process is None:
             text = "".join(f"{_ROLES[m['role']]}: {m['content']}\n\n" for m in messages) + "Assistant:"
-            return [tok.special.eos] + encode_prompt(tok.backend, text, limit), (SIMPLE_STOP,)
+            return [tok.special.eos] + encode_prompt(tok, text, limit), (SIMPLE_STOP,)
         variables = {**self.special_tokens, "messages": messages, "add_generation_prompt": True,
-                     "bos_token": tok.backend.id_to_token(tok.special.bos),
-                     "eos_token": tok.backend.id_to_token(tok.special.eos)}
+                     "bos_token": tok.token_text(tok.special.bos), "eos_token": tok.token_text(tok.special.eos)}
         try:
             text = self._process.render(variables)
         except RenderError as exc:
@@ -131,7 +133,7 @@ class ChatTemplate:
         except UnicodeEncodeError as exc:  # a literal "\ud800" in the template, say: no text a tokenizer takes
             raise ChatTemplateError(f"{self.where}: the chat template's output is not valid Unicode (an unpaired "
                                     f"surrogate at character {exc.start})", False) from None
-        return encode_prompt(self._specials_backend, text, limit), ()
+        return encode_prompt(tok, text, limit, special_tokens=True), ()
 
     def close(self) -> None:
         if self._process is not None:

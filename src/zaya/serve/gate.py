@@ -7,29 +7,77 @@ body is read, with OpenAI-style error bodies:
   (``openai.OpenAI(api_key=KEY)``); the key is compared in constant time (``hmac.compare_digest``). Otherwise a 401.
 - ``--max-body-bytes``: a request whose ``content-length`` is larger is a 413 at once. A body sent without a length
   (chunked) is counted as it is read, by FastAPI's ``max_body_size``, and refused when it passes the limit.
+
+When the server stops (``stop_reading``, at the end of ``--shutdown-timeout``), a request still waiting for the rest
+of its body is answered 503 at once: a client that sent its headers and half a body kept uvicorn waiting for the
+rest until its own timeout cancelled the handler (8.3 s for a 3 s shutdown timeout). A request whose body is in is
+left to the engine, which stops it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
 
 OPEN_PATHS = frozenset({"/health"})
 API_KEY_ENV = "ZAYA_API_KEY"
+_DISCONNECT = {"type": "http.disconnect"}
 
 
 class Gate:
     """An ASGI wrapper refusing HTTP requests without the bearer ``api_key`` (when one is set; ``OPEN_PATHS`` stay
-    open) and those declaring a body over ``max_body_bytes``."""
+    open) and those declaring a body over ``max_body_bytes``; after ``stop_reading`` its requests read no more."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
         if api_key is not None and not api_key:
             raise ValueError("the API key is empty")
         self.app, self.max_body_bytes = app, max_body_bytes
         self._key = api_key.encode("utf-8") if api_key else None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Event | None = None
+
+    def stop_reading(self) -> None:
+        """From any thread: every request's pending and later reads answer that the client went away."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stopped.set)
+
+    def _reader(self, receive):
+        """``receive``; until the body is complete, a read that ``stop_reading`` overtakes (or follows) is a 503
+        (``HTTPException``, which FastAPI answers). Once the body is in, reads are ``receive``'s own: a running
+        request is stopped by the engine, which ends its response cleanly."""
+        complete = False
+
+        async def read():
+            nonlocal complete
+            if complete:
+                return await receive()
+            message = None
+            if not self._stopped.is_set():
+                pending = asyncio.ensure_future(receive())
+                stopped = asyncio.ensure_future(self._stopped.wait())
+                try:
+                    await asyncio.wait((pending, stopped), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    stopped.cancel()
+                    if not pending.done():
+                        pending.cancel()  # a request to cancel: the task is not cancelled yet
+                if pending.done() and not pending.cancelled():
+                    message = pending.result()
+            if message is None:
+                from fastapi import HTTPException  # the kind FastAPI's body reading passes on as it is
+
+                raise HTTPException(503, "the server is stopping: the rest of this request's body did not come in "
+                                         "time (--shutdown-timeout)")
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        return read
 
     async def __call__(self, scope, receive, send) -> None:
+        if self._loop is None:  # the first call (the lifespan's) runs on the server's loop
+            self._loop, self._stopped = asyncio.get_running_loop(), asyncio.Event()
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -44,7 +92,7 @@ class Gate:
             await _refuse(send, 413, f"the request body is larger than this server takes ({self.max_body_bytes} "
                                      "bytes, --max-body-bytes)", "request_too_large", [(b"connection", b"close")])
             return
-        await self.app(scope, receive, send)
+        await self.app(scope, self._reader(receive), send)
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         scheme, _, token = headers.get(b"authorization", b"").strip().partition(b" ")

@@ -9,6 +9,24 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zaya.errors import ConfigError
+
+DEFAULT_MAX_MODEL_LEN = 8192
+"""``--max-model-len``'s default cap: every slot holds its whole context (KV cache) from the start, so the model's
+own max_seq_len (131,072 for a long-context stage, 2**40 in a hostile config) would reserve that for each of the
+``--slots``. A longer context is asked for with the flag, and checked against the memory available."""
+
+
+def context_length(requested: int | None, max_seq_len: int, cap: int | None = DEFAULT_MAX_MODEL_LEN) -> int:
+    """The tokens each slot holds (``--max-model-len``): ``requested``, or the model's ``max_seq_len`` capped at
+    ``cap`` (None: not capped); ``ConfigError`` for a value below 1 or past the model's ``max_seq_len``."""
+    if requested is None:
+        return max_seq_len if cap is None else min(max_seq_len, cap)
+    if requested < 1 or requested > max_seq_len:
+        raise ConfigError(f"--max-model-len {requested}: give the tokens each slot holds, from 1 to the model's "
+                          f"max_seq_len ({max_seq_len:,})")
+    return requested
+
 
 @dataclass(frozen=True)
 class ServeLimits:

@@ -33,11 +33,14 @@ from typing import AsyncIterator, Callable
 
 from starlette.requests import Request as HTTPRequest
 
+from zaya.data.tokenizer import TokenizerFailure
+from zaya.errors import ConfigError
+from zaya.model.slots import SlotMemoryError
 from zaya.serve.api import APIError, ChatRequest, CompletionRequest, describe_validation_error, error_body
 from zaya.serve.gate import Gate, exposure_warning
 from zaya.serve.chat import ChatTemplate, ChatTemplateError
 from zaya.serve.engine import ContextLengthError, Engine
-from zaya.serve.limits import ServeLimits
+from zaya.serve.limits import ServeLimits, context_length
 from zaya.serve.prompt import encode_prompt
 from zaya.serve.request import Request
 from zaya.serve.sampling import SamplingParams
@@ -47,6 +50,8 @@ log = logging.getLogger("zaya.serve")
 
 DISCONNECT_POLL_S = 0.25
 """How often a non-streaming handler asks whether its client is still there."""
+SHUTDOWN_BACKSTOP_S = 2.0
+"""After SIGTERM, seconds past ``--shutdown-timeout`` when uvicorn cancels whatever handler is still running."""
 
 
 class _Tracked:
@@ -109,7 +114,8 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
         """FastAPI behind ``Gate`` (the API key, the declared body size), outside all of its own middleware."""
 
         def build_middleware_stack(self):
-            return Gate(super().build_middleware_stack(), limits.api_key, limits.max_body_bytes)
+            self.state.gate = Gate(super().build_middleware_stack(), limits.api_key, limits.max_body_bytes)
+            return self.state.gate
 
     app = GatedFastAPI(title="zaya", lifespan=lifespan, max_body_size=limits.max_body_bytes,
                        default_response_class=ASCIIJSONResponse)
@@ -133,6 +139,10 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                                          f"({limits.max_body_bytes} bytes, --max-body-bytes)",
                                          code="request_too_large"))
         return error(exc.status_code, error_body(str(exc.detail)))
+
+    @app.exception_handler(TokenizerFailure)
+    async def _tokenizer(_, exc: TokenizerFailure):  # decoding this request's output (encoding is a 400 below)
+        return error(500, error_body(str(exc), type="server_error", code="tokenizer_failed"))
 
     @app.exception_handler(Exception)
     async def _internal(_, exc: Exception):
@@ -284,10 +294,12 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                 raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {engine.vocab_size})",
                                param="prompt", code="invalid_token_id")
         try:
-            ids = [encode_prompt(tokenizer.backend, x, engine.capacity) if isinstance(x, str) else x
-                   for x in prompts]
+            ids = [encode_prompt(tokenizer, x, engine.capacity) if isinstance(x, str) else x for x in prompts]
         except ContextLengthError as exc:
             raise APIError(400, str(exc), param="prompt", code="context_length_exceeded") from None
+        except TokenizerFailure as exc:
+            raise APIError(400, f"the model's tokenizer cannot encode this prompt: {exc}", param="prompt",
+                           code="tokenizer_failed") from None
         for x in ids:
             if not x:
                 raise APIError(400, "prompt: a prompt has no tokens", param="prompt")
@@ -341,6 +353,9 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
             return template.render([m.model_dump(exclude_none=True) for m in body.messages], engine.capacity)
         except ContextLengthError as exc:
             raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
+        except TokenizerFailure as exc:
+            raise APIError(400, f"the model's tokenizer cannot encode this conversation: {exc}", param="messages",
+                           code="tokenizer_failed") from None
         except ChatTemplateError as exc:
             if exc.client_error:
                 raise APIError(400, str(exc), param="messages", code="chat_template_refused") from None
@@ -407,8 +422,13 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_nam
     warning = exposure_warning(host, limits.api_key)
     if warning:
         print(f"# warning: {warning}", file=sys.stderr)
-    engine = Engine(model, num_slots=num_slots, capacity=capacity, prefill_chunk=prefill_chunk,
-                    decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    capacity = context_length(capacity, model.config.max_seq_len)
+    try:  # the slots' memory is checked before any of it is allocated
+        engine = Engine(model, num_slots=num_slots, capacity=capacity, prefill_chunk=prefill_chunk,
+                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    except SlotMemoryError as exc:
+        raise ConfigError(f"{exc.what}: pass fewer --slots (now {num_slots}) or a smaller --max-model-len (now "
+                          f"{capacity}), the context each slot holds") from None
     app = build_app(engine, tokenizer, model_name, limits=limits)
 
     class Server(uvicorn.Server):
@@ -420,12 +440,18 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_nam
                 timer.daemon = True
                 timer.start()
 
-    # uvicorn's own timeout only backs ours up: it cancels the handlers (a traceback for each in the log)
+    # uvicorn's own timeout only backs ours up (a client that reads no response): it cancels the handlers (a
+    # traceback for each in the log)
     Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                          timeout_graceful_shutdown=limits.shutdown_timeout + 5)).run()
+                          timeout_graceful_shutdown=limits.shutdown_timeout + SHUTDOWN_BACKSTOP_S)).run()
 
 
 def _stop_requests(app) -> None:
+    """The end of the grace period: the engine stops what still runs, and requests still reading a body read no
+    more (a client that sent half of one is told it went away): every handler then returns."""
     worker = getattr(app.state, "engine_worker", None)
     if worker is not None:
         worker.stop_requests()
+    gate = getattr(app.state, "gate", None)
+    if gate is not None:
+        gate.stop_reading()

@@ -1,0 +1,114 @@
+"""The slots' KV cache and CCA state are checked against the memory available before anything is allocated: a
+``max_seq_len`` of 2**40 in a checkpoint's config made ``zaya serve`` fail in ``torch.zeros`` (exit 70), and a value
+just small enough would have taken every free byte. ``zaya serve --max-model-len`` sets the context each slot holds
+(default the model's max_seq_len, at most 8192); the refusals name the bytes and the flags that fix them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve_helpers import tiny_model
+
+HUGE = 2**40
+LONG = 10**9
+"""A config's max_seq_len that zaya's config check lets through (it stops at 2**31), still 8 TB of slots here."""
+
+
+@pytest.fixture(scope="module")
+def huge_context(shakespeare_dataset, tmp_path_factory):
+    """A checkpoint whose config says max_seq_len = 10**9 (nothing in the model is sized by it)."""
+    import shutil
+
+    from zaya.model.io import save_checkpoint
+
+    d = tmp_path_factory.mktemp("huge") / "ckpt"
+    save_checkpoint(tiny_model(vocab_size=512, max_seq_len=LONG), d)
+    shutil.copy(shakespeare_dataset / "tokenizer.json", d / "tokenizer.json")
+    return d
+
+
+def test_bytes_needed_is_what_a_decoder_allocates():
+    from zaya.model.slots import SlotDecoder
+
+    model = tiny_model(vocab_size=512, max_seq_len=64)
+    for dtype in (None, torch.bfloat16):
+        decoder = SlotDecoder(model, 3, 50, dtype)
+        held = decoder.key_valid.nbytes + decoder._key_index.nbytes + sum(
+            t.nbytes for c in decoder.caches for t in (c.keys, c.values, c.conv_state, c.value_state)
+            if t is not None)
+        assert SlotDecoder.bytes_needed(model, 3, 50, dtype) == held
+
+
+def test_slots_that_do_not_fit_are_refused_before_anything_is_allocated(monkeypatch):
+    import zaya.model.slots as slots
+    from zaya.errors import ConfigError
+
+    model = tiny_model(vocab_size=512, max_seq_len=HUGE)
+    with pytest.raises(slots.SlotMemoryError, match=r"16 slot\(s\) of 1,099,511,627,776 tokens need") as caught:
+        slots.SlotDecoder(model, 16, HUGE)
+    assert isinstance(caught.value, ConfigError) and caught.value.needed > 2**50
+    with pytest.raises(slots.SlotMemoryError):  # generate sizes its cache by prompt + max_new_tokens
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=HUGE)
+
+    # just too much for what is free: refused, and the model's state is never asked for
+    needed = slots.SlotDecoder.bytes_needed(model, 4, 1000)
+    monkeypatch.setattr(slots, "available_memory", lambda device: needed - 1)
+    monkeypatch.setattr(type(model), "new_state", lambda *a, **k: pytest.fail("allocated before the check"))
+    with pytest.raises(slots.SlotMemoryError, match=f"need {needed:,} bytes .* has {needed - 1:,} bytes"):
+        slots.SlotDecoder(model, 4, 1000)
+    monkeypatch.undo()
+    monkeypatch.setattr(slots, "available_memory", lambda device: needed)
+    assert slots.SlotDecoder(model, 4, 1000).capacity == 1000
+
+
+def test_the_context_length_of_zaya_serve():
+    from zaya.errors import ConfigError
+    from zaya.serve.limits import DEFAULT_MAX_MODEL_LEN, context_length
+
+    assert context_length(None, HUGE) == DEFAULT_MAX_MODEL_LEN == 8192
+    assert context_length(None, 4096) == 4096 and context_length(100, 4096) == 100
+    assert context_length(None, HUGE, cap=None) == HUGE
+    for bad in (0, 4097):
+        with pytest.raises(ConfigError, match=f"--max-model-len {bad}: .* max_seq_len .4,096."):
+            context_length(bad, 4096)
+
+
+def test_zaya_serve_refuses_slots_that_do_not_fit(huge_context, capsys, monkeypatch):
+    import zaya.serve.server as server
+    from zaya.cli import main
+
+    monkeypatch.setattr(server, "build_app", lambda *a, **k: pytest.fail("the server started"))
+    args = ["serve", "--checkpoint", str(huge_context), "--device", "cpu", "--port", "1"]
+    assert main([*args, "--max-model-len", str(LONG)]) == 2
+    err = capsys.readouterr().err
+    assert "16 slot(s) of 1,000,000,000 tokens need" in err and "bytes" in err
+    assert "pass fewer --slots (now 16) or a smaller --max-model-len (now 1000000000)" in err
+    assert "Traceback" not in err
+    # the default context is capped at 8192 tokens: enough slots of it still do not fit
+    assert main([*args, "--slots", str(10**8)]) == 2
+    err = capsys.readouterr().err
+    assert "100000000 slot(s) of 8,192 tokens need" in err and "(now 8192)" in err
+    assert main([*args, "--max-model-len", str(LONG + 1)]) == 2
+    assert "--max-model-len 1000000001: give the tokens each slot holds" in capsys.readouterr().err
+
+
+def test_zaya_generate_refuses_a_cache_that_does_not_fit(huge_context, capsys):
+    from zaya.cli import main
+
+    code = main(["generate", "--checkpoint", str(huge_context), "--device", "cpu", "--prompt", "ROMEO:",
+                 "--max-new-tokens", str(HUGE)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "1 slot(s) of 1,099,511,62" in err and f"ask for fewer --max-new-tokens (now {HUGE})" in err
+
+
+def test_zaya_eval_tasks_refuses_slots_that_do_not_fit(huge_context, capsys):
+    """lm-eval's engine holds the model's max_seq_len in each of its 8 slots unless --max-model-len says less."""
+    pytest.importorskip("lm_eval")
+    from zaya.cli import main
+
+    code = main(["eval", "--checkpoint", str(huge_context), "--device", "cpu", "--tasks", "none_needed"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "8 slot(s) of 1,000,000,000 tokens need" in err and "smaller --max-model-len (now 1000000000)" in err
