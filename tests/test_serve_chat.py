@@ -73,6 +73,8 @@ ESCAPES = [
     "{{ messages.append('x') }}{{ messages[0].update({'role': 'x'}) }}",
     "{{ '{0.__class__.__init__.__globals__}'.format(messages) }}{{ strftime_now.__globals__ }}",
     "{% set x = messages.pop() %}{{ x }}",
+    "{{ messages|map(attribute='__class__')|list }}",  # Jinja's sandbox printed these as empty, unrefused
+    "{{ messages|selectattr('__class__')|list }}",
 ]
 
 

@@ -4,7 +4,8 @@ Two bounds, because a template is code:
 
 - **What it may do**: Jinja's immutable sandbox (``jinja2.sandbox.ImmutableSandboxedEnvironment``, as Hugging Face
   transformers renders chat templates): no attribute that starts with ``_`` (so no ``__globals__``,
-  ``__subclasses__``, ``__import__``), no method that changes a list or dict, ``str.format`` checked. What real chat
+  ``__subclasses__``, ``__import__``; naming one is an error at once, also through ``map(attribute=...)`` or
+  ``selectattr``), no method that changes a list or dict, ``str.format`` checked. What real chat
   templates use is there: ``trim_blocks`` / ``lstrip_blocks``, the loop controls (``break``, ``continue``),
   ``namespace``, a ``tojson`` filter that keeps non-ASCII text, ``raise_exception(message)`` (a template refusing
   the messages, e.g. roles that do not alternate) and ``strftime_now(format)``.
@@ -61,6 +62,7 @@ class RenderError(Exception):
 def environment():
     """The sandboxed Jinja environment chat templates render in."""
     import jinja2.ext
+    from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -77,8 +79,14 @@ def environment():
     def finalize(context, value):  # needs the context, so Jinja cannot fold {{ <literal expression> }} when compiling
         return value
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
-                                        optimized=False, finalize=finalize)
+    class Sandbox(ImmutableSandboxedEnvironment):
+        def unsafe_undefined(self, obj, attribute):
+            """Refuse an unsafe attribute when it is named (Jinja's own gives an undefined value, which
+            ``map(attribute='__class__')`` or ``selectattr`` print as nothing instead of failing)."""
+            raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols], optimized=False,
+                  finalize=finalize)
     env.filters["tojson"] = tojson  # Jinja's own escapes HTML characters, which a prompt must not get
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
