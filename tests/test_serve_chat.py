@@ -75,6 +75,7 @@ ESCAPES = [
     "{% set x = messages.pop() %}{{ x }}",
     "{{ messages|map(attribute='__class__')|list }}",  # Jinja's sandbox printed these as empty, unrefused
     "{{ messages|selectattr('__class__')|list }}",
+    "{% set ns = namespace(a=1) %}{% set ns.__class__ = 1 %}{{ ns }}",
 ]
 
 

@@ -64,6 +64,7 @@ def environment():
     import jinja2.ext
     from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import Namespace
 
     def raise_exception(message):
         raise TemplateRefused(str(message))
@@ -85,8 +86,15 @@ def environment():
             ``map(attribute='__class__')`` or ``selectattr`` print as nothing instead of failing)."""
             raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
 
+    class SafeNamespace(Namespace):
+        def __setitem__(self, name, value):  # {% set ns.__class__ = ... %} set a key Jinja never refused
+            if name.startswith("_"):
+                raise SecurityError(f"setting the attribute {name!r} of a namespace is unsafe")
+            super().__setitem__(name, value)
+
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols], optimized=False,
                   finalize=finalize)
+    env.globals["namespace"] = SafeNamespace
     env.filters["tojson"] = tojson  # Jinja's own escapes HTML characters, which a prompt must not get
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
