@@ -367,7 +367,7 @@ def test_no_commit_marker_is_never_loaded(tmp_path):
     path = store.save(3, parts(model, opts), {"step": 3}, blocking=True).path
     (path / COMMIT).unlink()
     assert store.select("auto") is None
-    with pytest.raises(CheckpointError, match="no valid COMMIT marker"):
+    with pytest.raises(CheckpointError, match="no COMMIT marker"):
         store.select(str(path))
 
 
@@ -719,13 +719,24 @@ def test_any_failure_while_committing_is_an_outcome_not_a_crash(tmp_path):
     assert not list(store.directory.glob(".*partial"))
 
 
-def test_malformed_commit_markers_are_incomplete_not_errors(tmp_path):
-    store = store_for(tmp_path, ram_tier=False)
+def test_a_checkpoint_with_a_malformed_commit_marker_is_damaged_named_and_moved_aside(tmp_path):
+    """A COMMIT marker is written last and atomically: one that does not parse, or lists a name outside the
+    checkpoint, never comes from a save in progress. Only a directory without a marker is skipped without a word."""
+    logs: list[str] = []
+    store = store_for(tmp_path, logs, ram_tier=False, keep=10)
     model, opts = trained(1)
-    path = store.save(1, parts(model, opts), {}, blocking=True).path
-    for body in ('{"files": ["a", "b"]}', '{"files": {"meta.json": true}}', '[]'):
+    good = store.save(1, parts(model, opts), {}, blocking=True).path
+    bodies = {'{"files": ["a", "b"]}': "no 'files' table", '{"files": {"meta.json": true}}': "no valid size",
+              '[]': "no 'files' table", "[" * 100_000: "not valid JSON",
+              json.dumps({"files": {"/etc/passwd": 10, "meta.json": 1}}): "'/etc/passwd', which is not the name",
+              json.dumps({"files": {"../x": 10}}): "'../x', which is not the name"}
+    for step, (body, needle) in enumerate(bodies.items(), 2):
+        path = store.save(step, parts(model, opts), {}, blocking=True).path
         (path / COMMIT).write_text(body)
-        assert list_checkpoints(store.directory) == [] and store.select("auto") is None
+        logs.clear()
+        assert store.select("auto") == good
+        assert any(f"{path} failed verification" in line and needle in line for line in logs), (needle, logs)
+        assert (path.parent / f"corrupt-{path.name}").is_dir()
 
 
 def test_ranks_clearing_their_ram_copies_at_once_do_not_trip_over_the_shared_directory(tmp_path, monkeypatch):

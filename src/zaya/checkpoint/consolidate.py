@@ -4,9 +4,11 @@ training checkpoint, a zaya checkpoint directory, or a Hugging Face ``zaya`` dir
 
 A training checkpoint must be complete and pass its checksums, and is read through the allow-list reader
 (``reader.py``: its files are data, never code). Given a run, the newest checkpoint that passes verification is
-loaded, as training's resume does (``commit.newest_loadable``); each newer one that fails is named on stderr with
-the reason, and left where it is: an inference command reads a run directory, it never changes it (training moves a
-failed checkpoint aside, as the run directory is its own). A training checkpoint named directly is loaded or refused,
+loaded, as training's resume does (``commit.newest_loadable``); each newer one that fails (damaged: its COMMIT
+marker, a file's presence, kind or size, or a checksum) is named on stderr with the reason, and left where it is: an
+inference command reads a run directory, it never changes it (training moves a failed checkpoint aside, as the run
+directory is its own). A step directory without a COMMIT marker is a save in progress (or one that died), skipped
+without a word. A training checkpoint named directly is loaded or refused,
 never swapped for another. The weights read are checked for NaN and inf, whatever the source.
 
 A training checkpoint (DCP, possibly written by many ranks) is read whole into one process: DCP reassembles the
@@ -15,14 +17,15 @@ shards, whatever world size or parallel mode wrote them.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from zaya.checkpoint.commit import (COMMIT, METADATA, STEP_DIR, list_checkpoints, newest_loadable, read_commit,
-                                    read_meta, size_problem, unloadable, verification_problem)
+from zaya.checkpoint.commit import (METADATA, NO_MARKER, STEP_DIR, committed_checkpoints, has_marker, newest_loadable,
+                                    read_meta, unloadable, verification_problem)
 from zaya.checkpoint.errors import CheckpointError
 from zaya.checkpoint.reader import AllowListReader, check_entries, load_dcp
 from zaya.errors import ConfigError
@@ -43,7 +46,7 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = _stderr) -
         raise ConfigError(f"{path}: no such checkpoint or run directory")
     checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if checkpoints != path or (path.is_dir() and any(STEP_DIR.match(p.name) for p in path.iterdir())):
-        candidates = list_checkpoints(checkpoints)
+        candidates = committed_checkpoints(checkpoints)  # a save in progress (no COMMIT yet) is no candidate
         if not candidates:
             raise CheckpointError(f"{path}: the run has no complete checkpoint yet ({checkpoints})")
         failures: list[str] = []
@@ -58,10 +61,9 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = _stderr) -
         if chosen is None:
             raise CheckpointError(f"{path}: no checkpoint of the run passes verification ({'; '.join(failures)})")
         return "training", chosen
-    if (path / COMMIT).exists() or (path / METADATA).exists():
-        incomplete = size_problem(path, read_commit(path))
-        if incomplete is not None:
-            raise CheckpointError(f"{path}: incomplete checkpoint ({incomplete}); not loaded")
+    if has_marker(path) or os.path.lexists(path / METADATA):
+        if not has_marker(path):
+            raise CheckpointError(f"{path}: incomplete checkpoint ({NO_MARKER}); not loaded")
         problem = verification_problem(path)
         if problem is not None:
             raise unloadable(path, problem)
@@ -133,5 +135,5 @@ def describe(directory: Path) -> str:
     try:
         meta = read_meta(directory)
         return f"{directory} (step {int(meta['step'])}, {int(meta['tokens']):,} tokens)"
-    except (CheckpointError, KeyError, TypeError, ValueError):
+    except (CheckpointError, KeyError, TypeError, ValueError, OverflowError):
         return str(directory)

@@ -4,28 +4,27 @@ torch's ``FileSystemReader`` reads a checkpoint's ``.metadata`` with ``pickle.lo
 non-tensor ("bytes") item with ``torch.load(weights_only=False)``: either runs whatever a crafted file asks for. The
 COMMIT checksums do not help (whoever writes a file can recompute them). Here:
 
-- ``.metadata`` is unpickled by ``_MetadataUnpickler``, which resolves only the names a DCP metadata pickle holds
-  (DCP's metadata dataclasses, ``torch.Size``, the torch dtypes and layouts, the path type of ``checkpoint_id``),
-  calls (REDUCE, NEWOBJ) only those, and sets state (BUILD) only on instances of those classes, never on a class or
-  a function (which would change them for the whole process). Anything else is a ``CheckpointError`` naming the file.
-  Measured with real DDP, ZeRO-1 and FSDP2 (DTensor) saves: these are all the names they use.
-- The result is checked before DCP sees it: every entry a tensor (zaya writes no bytes items; the planner refuses
-  them as well), every chunk inside its tensor, every data file a plain name in the checkpoint directory (no path
-  leads elsewhere), no stream transforms. The tensor data itself is read by DCP with ``torch.load(weights_only=True)``.
+- ``.metadata`` is read only as a regular file listed in COMMIT, of at most ``MAX_METADATA_BYTES``, and unpickled by
+  ``metadata_pickle.py``'s allow-list unpickler: DCP's metadata classes and nothing else, no state set on anything
+  but what it created, keys checked before they are hashed, in time linear in the file's size.
+- The result is checked before DCP sees it (``metadata_check.py``): DCP's schema for plain tensors field by field,
+  chunks that tile each tensor exactly, data only in regular files that COMMIT lists (no link, FIFO or device),
+  within their sizes, no stream transforms. The tensor data itself is read by DCP with
+  ``torch.load(weights_only=True)``, each item's pickle checked first (``item_pickle_problem``: torch's unpickler
+  hashes what a crafted item holds, which hung or crashed it).
 - ``load_dcp`` checks the live tensors against it (present, same shape, floating point where a float is expected)
   before loading: a checkpoint made for another model is refused naming the tensor.
 
-The unpickler is the standard library's pure-Python one (``pickle._Unpickler``): its opcodes can be overridden one by
-one, which the C unpickler's cannot. It reads a large metadata about 3x slower (a 26 MB, 160,000-chunk metadata in
-15 s against 5 s here); ``AllowListReader`` reads it once per load.
+Every refusal is a ``CheckpointError`` naming the file. The pure-Python unpickler reads a large metadata about 3x
+slower than the C one (a 26 MB, 160,000-chunk metadata in 15 s against 5 s here); ``AllowListReader`` reads it once
+per load.
 """
 
 from __future__ import annotations
 
 import io
-import pathlib
-import pickle
-import reprlib
+import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any, Mapping
@@ -34,13 +33,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata, _MEM_FORMAT_ENCODING)
-from torch.serialization import _get_layout
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from zaya.checkpoint.commit import METADATA
+from zaya.checkpoint.commit import METADATA, load_commit
 from zaya.checkpoint.errors import CheckpointError
+from zaya.checkpoint.metadata_check import metadata_problem
+from zaya.checkpoint.metadata_pickle import Refused, item_pickle_problem, unpickle_metadata
 
 # DCP warns on every single-process save/load that it "assumes" no process group: intended here. A module-level
 # filter, because warnings.catch_warnings() is not thread-safe and the background save runs in a thread.
@@ -48,80 +47,32 @@ warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?una
 
 UNTRUSTED = ("this is not a checkpoint zaya wrote, or it was altered since (possibly maliciously): do not load it; "
              "use a checkpoint from a source you trust")
-
-_CLASSES = (Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata, ChunkStorageMetadata,
-            _StorageInfo, _MEM_FORMAT_ENCODING, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
-            pathlib.PureWindowsPath, torch.Size)
-"""Classes a DCP metadata pickle creates (REDUCE, NEWOBJ) and fills (BUILD)."""
-_CALLABLES = (*_CLASSES, _get_layout)
-_GLOBALS: dict[tuple[str, str], Any] = {(obj.__module__, obj.__qualname__): obj for obj in _CALLABLES}
-_GLOBALS.update({(module, c.__name__): c for c in _CLASSES if c.__module__.startswith("pathlib")
-                 for module in ("pathlib", "pathlib._local")})  # where Python 3.13 defines them
-_GLOBALS.update({("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 160
-
-
-def _short(value: Any) -> str:
-    """A bounded repr for messages: a crafted file may hold a gigabyte string or a deeply nested list."""
-    return _REPR.repr(value)
-
-
-class _MetadataUnpickler(pickle._Unpickler):  # noqa: SLF001 - the only unpickler whose opcodes can be overridden
-    """Unpickles a DCP metadata and nothing else (see the module docstring)."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)  # noqa: SLF001
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return _GLOBALS[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(f"it asks for {module}.{name}, which no checkpoint metadata holds") from None
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("it holds a persistent reference, which no checkpoint metadata holds")
-
-    def _refuse(self) -> None:
-        raise pickle.UnpicklingError("it uses an instruction no checkpoint metadata uses")
-
-    def _load_reduce(self) -> None:
-        if not any(self.stack[-2] is c for c in _CALLABLES):
-            raise pickle.UnpicklingError(f"it calls {_short(self.stack[-2])}, which no checkpoint metadata calls")
-        pickle._Unpickler.load_reduce(self)  # noqa: SLF001
-
-    def _load_newobj(self) -> None:
-        if not any(self.stack[-2] is c for c in _CLASSES):
-            raise pickle.UnpicklingError(f"it creates {_short(self.stack[-2])}, which no checkpoint metadata holds")
-        pickle._Unpickler.load_newobj(self)  # noqa: SLF001
-
-    def _load_build(self) -> None:
-        target = self.stack[-2]
-        if isinstance(target, type) or not any(type(target) is c for c in _CLASSES):
-            raise pickle.UnpicklingError(f"it sets the state of {_short(target)}, which no checkpoint metadata does")
-        pickle._Unpickler.load_build(self)  # noqa: SLF001
-
-    dispatch[pickle.REDUCE[0]] = _load_reduce
-    dispatch[pickle.NEWOBJ[0]] = _load_newobj
-    dispatch[pickle.BUILD[0]] = _load_build
-    for _op in (pickle.NEWOBJ_EX, pickle.INST, pickle.OBJ, pickle.EXT1, pickle.EXT2, pickle.EXT4):
-        dispatch[_op[0]] = _refuse
-    del _op
+MAX_METADATA_BYTES = 1 << 30
+"""The largest ``.metadata`` read: about 6 million chunks (a real one takes ~160 bytes per chunk), e.g. 5,000
+tensors sharded over 1,024 ranks. Reading one takes about 20 bytes of memory per byte (a crafted one at most ~75)."""
 
 
 def read_metadata(path: Path) -> Metadata:
-    """The DCP metadata of the checkpoint directory ``path``, through the allow-list and checked (module docstring)."""
-    file = Path(path) / METADATA
+    """The DCP metadata of the checkpoint directory ``path``, through the allow-list and checked (module docstring);
+    anything else is a ``CheckpointError`` naming the file."""
+    directory = Path(path)
+    file = directory / METADATA
+    records, problem = load_commit(directory)
+    if records is None:
+        raise CheckpointError(f"{directory}: cannot be loaded: {problem}")
+    if METADATA not in records:
+        raise CheckpointError(f"{file} is not listed in {directory}/COMMIT; the checkpoint is damaged: use another "
+                              "one")
+    data = _read_regular(file)
     try:
-        with open(file, "rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
-    except OSError as exc:
-        raise CheckpointError(f"{file} cannot be read ({exc}); the checkpoint is incomplete: use another one") from None
+        metadata = unpickle_metadata(data)
+    except Refused as exc:
+        raise CheckpointError(f"{file} is refused: {exc}; {UNTRUSTED}") from None
     except Exception as exc:  # noqa: BLE001 - anything a crafted or damaged pickle raises is a refusal
-        reason = str(exc) if isinstance(exc, pickle.UnpicklingError) else f"{type(exc).__name__}: {exc}"
-        raise CheckpointError(f"{file} is refused: {reason}; {UNTRUSTED}") from None
-    problem = _metadata_problem(metadata, Path(path))
+        detail = str(exc)[:200]
+        raise CheckpointError(f"{file} is refused: {type(exc).__name__}: {detail}; {UNTRUSTED}") from None
+    del data
+    problem = metadata_problem(metadata, directory, records)
     if problem is not None:
         raise CheckpointError(f"{file} is refused: {problem}; {UNTRUSTED}")
     if metadata.storage_meta is None:
@@ -129,48 +80,26 @@ def read_metadata(path: Path) -> Metadata:
     return metadata
 
 
-def _is_size(value: Any, dims: int | None = None) -> bool:
-    return (type(value) is torch.Size and (dims is None or len(value) == dims)
-            and all(type(v) is int and v >= 0 for v in value))
-
-
-def _metadata_problem(md: Any, directory: Path) -> str | None:
-    """Why a loaded metadata is not one DCP wrote for plain tensors, or None."""
-    if type(md) is not Metadata:
-        return f"it holds a {type(md).__name__}, not a checkpoint metadata"
-    if type(md.state_dict_metadata) is not dict or type(md.storage_data) is not dict:
-        return "its entries or its storage table are not dictionaries"
-    if md.storage_meta is not None and type(md.storage_meta) is not StorageMeta:
-        return "its storage_meta is not a StorageMeta"
-    for key, entry in md.state_dict_metadata.items():
-        if type(key) is not str or type(entry) is not TensorStorageMetadata:
-            return f"its entry {_short(key)} is not a tensor (zaya checkpoints hold tensors only)"
-        props, size = entry.properties, entry.size
-        if type(props) is not TensorProperties or not isinstance(props.dtype, torch.dtype) or not _is_size(size):
-            return f"its entry {_short(key)} has no valid dtype or size"
-        if type(entry.chunks) is not list:
-            return f"its entry {_short(key)} has no chunk list"
-        for chunk in entry.chunks:
-            if (type(chunk) is not ChunkStorageMetadata or not _is_size(chunk.offsets, len(size))
-                    or not _is_size(chunk.sizes, len(size))
-                    or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, size))):
-                return f"a chunk of its entry {_short(key)} lies outside the tensor"
-    files = {f.name for f in directory.iterdir()} if directory.is_dir() else set()
-    for index, info in md.storage_data.items():
-        if (type(index) is not MetadataIndex or type(index.fqn) is not str or type(info) is not _StorageInfo
-                or not (index.offset is None or _is_size(index.offset))
-                or not (index.index is None or type(index.index) is int)):
-            return "its storage table holds something other than tensor locations"
-        name = info.relative_path
-        if type(name) is not str or not name.endswith(".distcp") or "/" in name or "\\" in name or name not in files:
-            return (f"it points {_short(index.fqn)} at {_short(name)}, which is not a data file of the checkpoint "
-                    "directory")
-        if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0:
-            return f"it gives {_short(index.fqn)} an invalid offset or length"
-        if info.transform_descriptors:
-            return (f"it asks to transform the stream of {_short(index.fqn)} "
-                    f"({_short(info.transform_descriptors)}), which zaya never does")
-    return None
+def _read_regular(file: Path) -> bytes:
+    """The bytes of ``file``, opened without following a link or blocking on a FIFO, if it is a regular file of at
+    most MAX_METADATA_BYTES."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise CheckpointError(f"{file} cannot be read ({exc.strerror or exc}); the checkpoint is incomplete or "
+                              "damaged: use another one") from None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fh.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{file} is not a regular file; the checkpoint is damaged: use another one")
+        if info.st_size > MAX_METADATA_BYTES:
+            raise CheckpointError(f"{file} has {info.st_size:,} bytes, more than the {MAX_METADATA_BYTES:,} zaya "
+                                  f"reads (about 6 million chunks); {UNTRUSTED}")
+        try:
+            return fh.read(MAX_METADATA_BYTES + 1)
+        except OSError as exc:
+            raise CheckpointError(f"{file} cannot be read ({exc.strerror or exc}); the checkpoint is damaged: use "
+                                  "another one") from None
 
 
 class AllowListReader(FileSystemReader):
@@ -185,6 +114,21 @@ class AllowListReader(FileSystemReader):
             self._metadata = read_metadata(Path(self.path))
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
+
+    def _slice_file(self, file, sinfo):  # noqa: ANN001 - DCP's hook: the view of one item that torch.load reads
+        """The item's view, after its pickle passed ``item_pickle_problem`` (torch.load would hash what it holds)."""
+        view = super()._slice_file(file, sinfo)
+        try:
+            record = torch._C.PyTorchFileReader(view).get_record("data.pkl")  # noqa: SLF001 - what torch.load reads
+        except Exception as exc:  # noqa: BLE001 - a damaged archive: torch.load would fail on it as well
+            problem = f"it is not a tensor archive ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+        else:
+            problem = item_pickle_problem(record)
+        if problem is not None:
+            where = Path(self.path) / sinfo.relative_path
+            raise CheckpointError(f"{where}: the item at byte {sinfo.offset:,} is refused: {problem}; {UNTRUSTED}")
+        view.seek(0)
+        return view
 
 
 class TensorsOnlyPlanner(DefaultLoadPlanner):

@@ -61,6 +61,7 @@ import os
 import re
 import resource
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -72,9 +73,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from zaya.checkpoint.commit import (COMMIT, META, STEP_DIR, FileRecord, checksum_file, is_complete,
-                                    latest_checkpoint, list_checkpoints, new_checksum, newest_loadable, read_meta,
-                                    step_dir_name, unloadable, verification_problem, write_commit)
+from zaya.checkpoint.commit import (COMMIT, META, STEP_DIR, FileRecord, checksum_file, committed_checkpoints,
+                                    is_complete, latest_checkpoint, list_checkpoints, new_checksum, newest_loadable,
+                                    read_meta, step_dir_name, unloadable, verification_problem, write_commit)
 from zaya.checkpoint.errors import CheckpointError
 from zaya.checkpoint.parts import ABSENT, merge_state, split_state
 from zaya.checkpoint.ram_tier import RamTier, ram_tier_directory, reassemble, restore_problem
@@ -85,7 +86,7 @@ from zaya.checkpoint.writer import ChecksummingWriter
 from zaya.config import CheckpointConfig
 from zaya.dist.runtime import Runtime
 from zaya.errors import DISK_FULL_ERRNOS
-from zaya.fsutil import atomic_write_bytes, replace_directory, restore_aside
+from zaya.fsutil import atomic_write_bytes, read_json, replace_directory, restore_aside
 
 __all__ = ["COMMIT", "META", "RESERVED_META_KEYS", "CheckpointError", "CheckpointStore", "SaveOutcome", "Stateful",
            "check_model_config", "is_complete", "latest_checkpoint", "list_checkpoints", "read_meta",
@@ -532,8 +533,10 @@ class CheckpointStore:
 
     def select(self, resume: str) -> Path | None:
         """The checkpoint to resume from (collective). ``resume``: "never", "auto" (the newest one in this store
-        that passes verification; failures are reported and moved aside) or a path (a run directory or one
-        checkpoint; it must pass verification)."""
+        that passes verification; failures are reported and moved aside) or a path (one checkpoint, which must pass
+        verification, or a run directory: its newest checkpoint that passes, each newer one reported and left in
+        place). A step directory without a COMMIT marker (a save that died) is no candidate; one with a marker that
+        fails any check (the marker itself, a file's presence, kind or size, a checksum) is reported."""
         self._ram_step = None
         if self.rank == 0:
             self._recover_leftovers()
@@ -544,13 +547,11 @@ class CheckpointStore:
         if resume != "auto":
             path = Path(resume)
             if (path / "checkpoints").is_dir():
-                newest = latest_checkpoint(path / "checkpoints")
-                if newest is None:
-                    raise CheckpointError(f"{resume}: no complete checkpoint in {path / 'checkpoints'}")
-                path = newest
-            problem = self._verify(path)
-            if problem is not None:
-                raise unloadable(path, problem)
+                path = self._newest_of_run(path / "checkpoints")
+            else:
+                problem = self._verify(path)
+                if problem is not None:
+                    raise unloadable(path, problem)
             self._abandon_newer_than(path)
             return path
 
@@ -572,10 +573,28 @@ class CheckpointStore:
                          "one")
             self._ctl.barrier()
 
-        candidates = self._ctl.broadcast_object([str(p) for p in list_checkpoints(self.directory)])
+        candidates = self._ctl.broadcast_object([str(p) for p in committed_checkpoints(self.directory)])
         chosen = newest_loadable([Path(name) for name in candidates], problem_of, skipped)
         if chosen is None:
             self.forget_ram_tier()  # nothing to resume: a copy there belongs to something else
+        return chosen
+
+    def _newest_of_run(self, checkpoints: Path) -> Path:
+        """The newest checkpoint of another run's ``checkpoints`` directory that passes verification (collective);
+        each newer one is reported and left where it is (that run directory is not this store's to change)."""
+        failures: list[str] = []
+
+        def skipped(path: Path, problem: str) -> None:
+            failures.append(f"{path.name}: {problem}")
+            if self.rank == 0:
+                self.log(f"warning: checkpoint {path} failed verification ({problem}); left in place, trying the "
+                         "previous one")
+
+        candidates = self._ctl.broadcast_object([str(p) for p in committed_checkpoints(checkpoints)])
+        chosen = newest_loadable([Path(name) for name in candidates], self._verify, skipped)
+        if chosen is None:
+            found = f" ({'; '.join(failures)})" if failures else ""
+            raise CheckpointError(f"{checkpoints}: no complete checkpoint passes verification{found}")
         return chosen
 
     def _abandon_newer_than(self, path: Path) -> None:
@@ -654,10 +673,12 @@ class CheckpointStore:
 
 
 def _save_id(path: Path) -> str | None:
+    """meta.json's save_id, or None when it has none (a damaged file is found by verification, not here)."""
     try:
-        return json.loads((path / META).read_text()).get("save_id")
-    except (OSError, ValueError, AttributeError):
+        meta = read_json(path / META) if stat.S_ISREG(os.lstat(path / META).st_mode) else None
+    except (OSError, ValueError):
         return None
+    return meta.get("save_id") if isinstance(meta, dict) else None
 
 
 def check_model_config(meta: dict[str, Any], model_config: dict[str, Any], path: Path) -> None:

@@ -12,7 +12,9 @@ download, an export made before it existed) loads with the structural checks alo
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Iterable
 
@@ -22,6 +24,20 @@ MANIFEST = "SHA256SUMS"
 _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 _CHANGED = (f"export it again (or download it again); if you changed the directory on purpose, delete {MANIFEST} "
             "there")
+
+
+MAX_MANIFEST_BYTES = 16 << 20
+"""A manifest lists a few files: 16 MiB holds a 100,000-shard export's."""
+NAME_MAX = 255
+"""Bytes of a file name (Linux's NAME_MAX)."""
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` is a file name inside a flat directory (a checkpoint's, an export's): a str of at most
+    NAME_MAX bytes, no path separator, NUL, '.' or '..' (an absolute name or a '..' would reach outside)."""
+    if type(name) is not str or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        return False
+    return len(name.encode("utf-8", "surrogatepass")) <= NAME_MAX
 
 
 def sha256_file(path: Path) -> str:
@@ -38,36 +54,56 @@ def write_checksums(directory: Path) -> None:
 
 def verify_checksums(directory: Path) -> set[str] | None:
     """Check every file ``directory``'s ``SHA256SUMS`` lists; the names it lists, or None without a manifest.
-    A listed file missing or changed is a ``CheckpointError`` naming it and the fix."""
+    A manifest that is not a regular file or not in its format (a name that is not a plain file name of the
+    directory: /etc/passwd, ../x, one longer than a file name can be), and a listed file missing, not a regular file
+    or changed, is a ``CheckpointError`` naming it and the fix."""
     manifest = Path(directory) / MANIFEST
-    if not manifest.is_file():
+    if not os.path.lexists(manifest):
         return None
     try:
+        info = manifest.stat()  # an export copied into a cache of links (Hugging Face's) is read through them
+        if not stat.S_ISREG(info.st_mode):  # a FIFO or device would block or never end
+            raise CheckpointError(f"{manifest} is not a regular file; {_CHANGED}")
+        if info.st_size > MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"{manifest} has {info.st_size:,} bytes, more than any export's manifest "
+                                  f"({MAX_MANIFEST_BYTES:,}); {_CHANGED}")
         lines = manifest.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{manifest} cannot be read ({exc}); {_CHANGED}") from None
+        raise CheckpointError(f"{manifest} cannot be read ({_short(exc)}); {_CHANGED}") from None
     listed: dict[str, str] = {}
     for number, line in enumerate(lines, 1):
         match = _LINE.match(line)
         name = match.group(2) if match else ""
-        if match is None or "/" in name or "\\" in name or name in (".", "..") or name in listed:
+        if match is None or not is_plain_name(name) or name in listed:
             raise CheckpointError(f"{manifest}, line {number}: not '<sha256>  <file name>' of a file of this "
                                   f"directory, listed once; {_CHANGED}")
         listed[name] = match.group(1)
     for name, expected in listed.items():
         file = manifest.parent / name
-        if not file.is_file():  # missing, or a FIFO or device a read would block on or never finish
+        try:
+            regular = stat.S_ISREG(file.stat().st_mode)
+        except FileNotFoundError:
+            regular = False
+        except OSError as exc:
+            raise CheckpointError(f"{file}, listed in {MANIFEST}, cannot be read ({_short(exc.strerror or exc)}); "
+                                  f"{_CHANGED}") from None
+        if not regular:  # missing, or a FIFO or device a read would block on or never finish
             raise CheckpointError(f"{file}, listed in {MANIFEST}, is missing or not a regular file; {_CHANGED}")
         try:
             actual = sha256_file(file)
         except OSError as exc:
-            raise CheckpointError(f"{file}, listed in {MANIFEST}, cannot be read ({exc.strerror or exc}); "
+            raise CheckpointError(f"{file}, listed in {MANIFEST}, cannot be read ({_short(exc.strerror or exc)}); "
                                   f"{_CHANGED}") from None
         if actual != expected:
             raise CheckpointError(f"{file} fails its checksum (sha256 {actual[:16]}..., {MANIFEST} says "
                                   f"{expected[:16]}...): it changed after the export (bit rot, a truncated copy or "
                                   f"download); {_CHANGED}")
     return set(listed)
+
+
+def _short(value: object) -> str:
+    text = str(value)
+    return text[:200] + ("..." if len(text) > 200 else "")
 
 
 def check_listed(directory: Path, listed: set[str] | None, files: Iterable[Path]) -> None:

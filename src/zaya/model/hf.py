@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from zaya.config import ConfigError, ModelConfig, model_config_from_dict, to_dict
 from zaya.errors import CheckpointError
+from zaya.fsutil import loads_json
 from zaya.model.checksums import check_listed, verify_checksums, write_checksums
 from zaya.model.io import (DAMAGED, atomic_directory, build_from_state_dict, check_layer_count, expected_shapes,
                            read_json_object, read_safetensors, safetensors_header)
@@ -346,9 +347,10 @@ def load_hf(directory: str | Path, dtype: torch.dtype | None = None) -> ZayaForC
         if "zaya_model_config" in meta:
             # config.json owns every field it expresses; the side file supplies only zaya's own options.
             try:
-                merged = json.loads(meta["zaya_model_config"])
+                merged = loads_json(meta["zaya_model_config"])
             except ValueError as exc:
-                raise CheckpointError(f"{extras_path}: its zaya_model_config is not JSON ({exc}); {DAMAGED}") from None
+                raise CheckpointError(f"{extras_path}: its zaya_model_config is not JSON ({str(exc)[:200]}); "
+                                      f"{DAMAGED}") from None
             if not isinstance(merged, dict):
                 raise CheckpointError(f"{extras_path}: its zaya_model_config is not a JSON object; {DAMAGED}")
             merged.update({k: v for k, v in to_dict(cfg).items() if k in _HF_OWNED_FIELDS})

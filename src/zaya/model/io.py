@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -28,6 +29,7 @@ from safetensors.torch import save_file
 
 from zaya.config import ModelConfig, model_config_from_dict, to_dict
 from zaya.errors import CheckpointError
+from zaya import fsutil
 from zaya.fsutil import atomic_directory
 from zaya.model.checksums import check_listed, verify_checksums, write_checksums
 from zaya.model.router import BALANCING_STATE, initial_balancing_state
@@ -40,6 +42,8 @@ FORMAT_VERSION = 1
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """The dtypes a zaya model's weights may have in a file (what ``zaya export --dtype`` writes)."""
 DAMAGED = "the file is damaged or incomplete: export it again (or download it again)"
+MAX_JSON_BYTES = 64 << 20
+"""The largest JSON file of a model directory read (config.json, zaya.json, a shard index: a few KB to a few MB)."""
 
 
 def _unreadable(path: Path, exc: BaseException) -> CheckpointError:
@@ -95,13 +99,24 @@ def safetensors_header(path: Path) -> tuple[list[str], dict[str, str]]:
 
 
 def read_json(path: Path) -> Any:
-    """A JSON file of a model directory; one that cannot be read or parsed is a ``CheckpointError``."""
+    """A JSON file of a model directory; one that is missing, not a regular file (a FIFO would block), larger than
+    any model directory's JSON, or cannot be read or parsed (nested 100,000 deep included) is a
+    ``CheckpointError``."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        info = Path(path).stat()
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing; {DAMAGED}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read ({exc.strerror or exc}); {DAMAGED}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{path} is not a regular file; {DAMAGED}")
+    if info.st_size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{path} has {info.st_size:,} bytes, more than a model directory's JSON files hold "
+                              f"({MAX_JSON_BYTES:,}); {DAMAGED}")
+    try:
+        return fsutil.read_json(path)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc}); {DAMAGED}") from None
+        raise CheckpointError(f"{path} is not valid JSON ({str(exc)[:200]}); {DAMAGED}") from None
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
