@@ -64,7 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quiet import wait_quiet  # noqa: E402
 from zaya.config import ModelConfig, load_config  # noqa: E402
-from zaya.device import resolve_device, synchronize  # noqa: E402
+from zaya.core.device import resolve_device, synchronize  # noqa: E402
 from zaya.model.attention import Attention  # noqa: E402
 from zaya.model.hf import _RENAMES, hf_config_from_model_config  # noqa: E402
 from zaya.model.layers import RotaryEmbedding  # noqa: E402

@@ -47,7 +47,7 @@ def main() -> int:
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT / "src"))
-    from zaya.aegis import aegis_dir
+    from zaya.aegis.env import aegis_dir
     from zaya.aegis.chaos import read_injections, request
     from zaya.aegis.events import read_events, summarise
     from zaya.aegis.heartbeat import read_heartbeats

@@ -267,7 +267,7 @@ def run_rank(rank: int, world: int, opts: dict) -> dict:
     from zaya.checkpoint.parts import ModelState, OptimizerState
     from zaya.checkpoint.store import CheckpointStore
     from zaya.config import CheckpointConfig
-    from zaya.dist.runtime import Runtime
+    from zaya.distributed.runtime import Runtime
 
     runtime = Runtime(rank, world, rank, torch.device("cpu"), True, timeout_s=opts["timeout_s"])
     say = log if rank == 0 else (lambda m: None)

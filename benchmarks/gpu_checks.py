@@ -184,10 +184,10 @@ _SYNC_MESSAGE = "synchronizing CUDA operation"
 
 def check_host_syncs(ctx: Ctx, r: dict[str, Any]) -> None:
     """The trainer's step on the device: synchronisations of one step (after a warm-up step) with the CUDA sync
-    debug mode; on the CPU the same step under zaya.dist.checks.HostReads."""
+    debug mode; on the CPU the same step under zaya.distributed.checks.HostReads."""
     torch = ctx.torch
     from zaya.config import load_config
-    from zaya.dist.runtime import start, stop
+    from zaya.distributed.runtime import start, stop
     from zaya.train.trainer import HOST_READS_PER_STEP, Trainer
 
     mb, seq = ctx.pick((16, 128), (16, 128), (4, 32))
@@ -230,12 +230,12 @@ def check_host_syncs(ctx: Ctx, r: dict[str, Any]) -> None:
                 r["error"] = (f"{len(syncs)} synchronising calls in one step, budget {HOST_READS_PER_STEP}: "
                               + "; ".join(f"{x['count']} x {x['where']}" for x in r["sync_locations"][:6]))
         else:
-            from zaya.dist.checks import HostReads
+            from zaya.distributed.checks import HostReads
 
             with HostReads() as reads:
                 record = trainer.step()
             r["skipped"] = ("torch.cuda.set_sync_debug_mode needs a CUDA device; the step ran and its host reads "
-                            "were counted with zaya.dist.checks.HostReads instead")
+                            "were counted with zaya.distributed.checks.HostReads instead")
             r["cpu_host_reads"] = reads.total
             r["cpu_host_reads_report"] = reads.report()[:1500]
             r["step_ran"] = record is not None

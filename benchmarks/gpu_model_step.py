@@ -77,7 +77,7 @@ def check_model_step(ctx: Ctx, r: dict[str, Any]) -> None:
 def _run(ctx: Ctx, cfg, batch: int, seq: int, r: dict[str, Any]) -> None:
     torch = ctx.torch
     from zaya.config import OptimConfig
-    from zaya.device import autocast
+    from zaya.core.device import autocast
     from zaya.model import ZayaForCausalLM, update_balancing_biases
     from zaya.model.info import forward_flops_per_token
     from zaya.optim.build import split_parameters

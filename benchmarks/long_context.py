@@ -59,7 +59,7 @@ def _rank(rank: int, world: int, port: int, job: dict, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from zaya.dist.context_parallel import ContextParallelSequence, CPGroup, shard
+    from zaya.distributed.context_parallel import ContextParallelSequence, CPGroup, shard
     from zaya.model import ZayaForCausalLM
 
     torch.set_num_threads(job["threads"])

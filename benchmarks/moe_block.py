@@ -25,7 +25,7 @@ in the same run (a 4096^3 bf16 matmul timed as one more mode in every round). Mo
 repeat runs every mode once) so that machine noise hits all of them alike; the numbers are medians over
 ``--repeats``, after one warm-up round.
 
-Device: ``--device`` (default ``auto``: the GPU when torch sees one, else the CPU; ``zaya.device.resolve_device``).
+Device: ``--device`` (default ``auto``: the GPU when torch sees one, else the CPU; ``zaya.core.device.resolve_device``).
 Everything (both blocks, the inputs, the peak matmul) lives there and autocast runs on that device's type. On a GPU
 the device is synchronised before each timer is read (kernels run asynchronously); on the CPU each round first
 waits, up to ``--quiet-timeout`` s, until the machine is at most ``--quiet-below`` busy (``benchmarks/quiet.py``:
@@ -49,7 +49,7 @@ import torch
 
 from quiet import wait_quiet  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from zaya.config import ModelConfig
-from zaya.device import resolve_device, synchronize
+from zaya.core.device import resolve_device, synchronize
 from zaya.model.hf import _RENAMES
 from zaya.model.moe import MoEBlock
 

@@ -56,7 +56,7 @@ def _measure(rank: int, cases: list[dict], out_dir: str) -> list[dict]:
     import torch
 
     from zaya.config import load_config
-    from zaya.dist.runtime import start, stop
+    from zaya.distributed.runtime import start, stop
     from zaya.train.trainer import Trainer
     from zaya.tune.live_memory import LiveMemory
 

@@ -115,14 +115,16 @@ def decode_cache_floor(model, batch: int, prompt: int, steps: int) -> float:
 
 
 def bench_generate(batch: int, prompt: int, new: int, repeats: int) -> dict:
-    """``model.generate`` against transformers' ``generate``, interleaved, best of ``repeats``; with the parts a
+    """``zaya.serve.generate`` against transformers' ``generate``, interleaved, best of ``repeats``; with the parts a
     decoder cannot avoid, measured in the same run: the prompt's prefill (one forward, ours and transformers') and
     the decode steps' weight GEMMs alone (``decode_gemm_floor``) and their KV-cache reads alone
     (``decode_cache_floor``). ``floor_speedup`` is transformers' time over the sum of the three: the most any
     decoder that runs these fp32 GEMMs and reads this cache could gain over transformers on this machine."""
+    from zaya.serve.generate import generate
+
     model, hf = build_models(prompt + new + 64)
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
-    runs = {"zaya": lambda: model.generate(ids, new, temperature=0),
+    runs = {"zaya": lambda: generate(model, ids, new, temperature=0),
             "hf": lambda: hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                       eos_token_id=None, pad_token_id=0),
             "prefill": lambda: model(ids, logits_to_keep=1),
@@ -140,7 +142,7 @@ def bench_generate(batch: int, prompt: int, new: int, repeats: int) -> dict:
         seq = outs["zaya"]
         argmax = model(seq[:, :-1]).logits[:, prompt - 1:].argmax(-1)
         routing, handles = record_decode_routing(model)
-        model.generate(ids, new, temperature=0)
+        generate(model, ids, new, temperature=0)
         for h in handles:
             h.remove()
         floor = min(decode_gemm_floor(model, batch, routing) for _ in range(max(repeats, 2)))

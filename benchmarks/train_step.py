@@ -46,7 +46,7 @@ loss of each model's first step (bf16 autocast, from the shared init); ``*_last_
 step (the same state and batch for all); ``fp32_loss_*``: one fp32 forward of each on the first batch, before any
 step (a tight parity check of the weight copy).
 
-Device: ``--device`` (default ``auto``: the GPU when torch sees one, else the CPU; ``zaya.device.resolve_device``).
+Device: ``--device`` (default ``auto``: the GPU when torch sees one, else the CPU; ``zaya.core.device.resolve_device``).
 Both models, their optimizers, the data and the peak matmul live there, and autocast runs on that device's type. On
 a GPU the device is synchronised before each timer is read, and the quiet-machine wait and re-timing above are
 skipped (they guard CPU-bound timings; ``others_cpu_share_max`` is still reported).
@@ -68,7 +68,7 @@ from collections.abc import Callable
 import torch
 
 from zaya.config import ModelConfig
-from zaya.device import resolve_device, synchronize
+from zaya.core.device import resolve_device, synchronize
 from zaya.model import ZayaForCausalLM
 from zaya.model.hf import hf_config_from_model_config, hf_state_dict
 from zaya.model.info import forward_flops_per_token

@@ -1,6 +1,6 @@
 """Tree vs ring decoding over a sharded KV cache: latency per token, communication rounds and bytes.
 
-The same sharded cache (``zaya.dist.tree_decoding``: contiguous slices of ``L`` cached positions, new tokens on the
+The same sharded cache (``zaya.serve.tree``: contiguous slices of ``L`` cached positions, new tokens on the
 last rank) decoded by each of ``METHODS``:
 
 * ``tree``: per layer one MAX all-reduce of the log-sum-exp and one fused SUM all-reduce of [o * w, w];
@@ -41,8 +41,8 @@ import torch.multiprocessing as mp
 import quiet  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from zaya.config import ModelConfig
-from zaya.dist.runtime import Runtime, start
-from zaya.dist.tree_decoding import METHODS, CommStats, ShardedDecoder, ShardedKeys
+from zaya.distributed.runtime import Runtime, start
+from zaya.serve.tree import METHODS, CommStats, ShardedDecoder, ShardedKeys
 
 MERGING = [m for m in METHODS if m != "ring"]
 """The methods that merge partials (``ring`` moves the keys instead): the merge-only timing."""

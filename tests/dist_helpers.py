@@ -2,7 +2,7 @@
 returned or raised.
 
 Each rank gets the environment torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT on a free port), so ``zaya.dist.runtime.start()`` joins the group as it would under
+MASTER_ADDR, MASTER_PORT on a free port), so ``zaya.distributed.runtime.start()`` joins the group as it would under
 torchrun; one intra-op thread per rank (the ranks share the machine's cores).
 """
 
@@ -30,7 +30,7 @@ class RankResult:
     error: str | None = None
     """``Type: message`` and the traceback, when the rank raised."""
     exit_code: int | None = None
-    """``zaya.errors.exit_code_of`` of what the rank raised."""
+    """``zaya.core.errors.exit_code_of`` of what the rank raised."""
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results: Any, env: dict) -> None:
@@ -40,7 +40,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results:
     import torch
     import torch.distributed as dist
 
-    from zaya.errors import exit_code_of
+    from zaya.core.errors import exit_code_of
 
     torch.set_num_threads(1)
     try:

@@ -7,9 +7,9 @@ import sys
 
 
 def ended_process() -> dict:
-    """The owner record (``zaya.procs.record``) of a process that ran and has ended: its pid free now, or
+    """The owner record (``zaya.core.procs.record``) of a process that ran and has ended: its pid free now, or
     another process's."""
-    from zaya import procs
+    from zaya.core import procs
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -20,7 +20,7 @@ import pytest
 
 from zaya.aegis.heartbeat import heartbeat_dir, parse_heartbeat, read_heartbeats
 from zaya.cli import main
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 
 DEEP = "[" * 100_000 + "]" * 100_000
 BAD_HEARTBEATS = {  # what the file holds -> what the refusal says about it

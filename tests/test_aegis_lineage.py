@@ -25,7 +25,7 @@ from zaya.aegis.chaos import request
 from zaya.aegis.heartbeat import Heartbeat, heartbeat_dir, read_heartbeats
 from zaya.aegis.lineage import (STOP_GRACE_ENV, SUPERVISOR_PID_ENV, SUPERVISOR_START_ENV, parent_death_signal,
                                 supervisor_gone)
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 
 
 def write_heartbeat(run: Path, rank: int, **fields) -> None:

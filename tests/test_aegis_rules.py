@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from zaya import errors
+from zaya.core import errors
 from zaya.aegis.detectors import (CollectiveFault, DiskFull, GpuHardware, Hang, Line, LossSpike, NicFlap,
                                   NonFiniteLoss, Observation, OutOfMemory, RankExited, Straggler, diagnose,
                                   build_detectors, normalise_device)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from zaya.config import ModelConfig
-from zaya.dist.checks import HostReads
+from zaya.distributed.checks import HostReads
 from zaya.model import ZayaForCausalLM, update_balancing_biases
 
 CFG = dict(vocab_size=32, hidden_size=16, num_layers=3, num_query_heads=2, num_kv_heads=2, head_dim=8,

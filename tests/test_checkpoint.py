@@ -21,7 +21,7 @@ from zaya.checkpoint.commit import COMMIT, checksum_file, read_commit
 from zaya.checkpoint.parts import ModelState, OptimizerState
 from zaya.checkpoint.store import CheckpointError, CheckpointStore, latest_checkpoint, list_checkpoints
 from zaya.config import CheckpointConfig
-from zaya.dist.runtime import Runtime
+from zaya.distributed.runtime import Runtime
 
 
 def make_model(seed: int = 0, width: int = 48) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
@@ -439,7 +439,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     from zaya.checkpoint.parts import ModelState, OptimizerState
     from zaya.checkpoint.store import CheckpointStore
     from zaya.config import CheckpointConfig
-    from zaya.dist.runtime import Runtime
+    from zaya.distributed.runtime import Runtime
     root, how = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
     model = nn.Linear(1024, 1024)
@@ -688,7 +688,7 @@ def test_a_damaged_ram_copy_falls_back_to_disk(tmp_path):
 
 
 def test_a_resave_whose_swap_fails_or_is_cut_short_keeps_the_old_checkpoint(tmp_path, monkeypatch):
-    import zaya.fsutil as fsutil
+    import zaya.core.fsutil as fsutil
 
     store = store_for(tmp_path, ram_tier=False)
     model, opts = trained(1)

@@ -39,8 +39,8 @@ def model_config():
 def build(mode: str, rank: int, world: int, seed: int):
     """Model, wrapper and optimizers as the trainer builds them."""
     from zaya.config import OptimConfig
-    from zaya.dist.parallel import wrap
-    from zaya.dist.runtime import Runtime
+    from zaya.distributed.parallel import wrap
+    from zaya.distributed.runtime import Runtime
     from zaya.model import ZayaForCausalLM
     from zaya.optim.build import ParamSplit, build_optimizers, split_parameters
 
@@ -95,7 +95,7 @@ def loader_for(data: str, rank: int, world: int):
 def store_for(root: str, rank: int, world: int, mode: str, ram: bool):
     from zaya.checkpoint.store import CheckpointStore
     from zaya.config import CheckpointConfig
-    from zaya.dist.runtime import Runtime
+    from zaya.distributed.runtime import Runtime
 
     cfg = CheckpointConfig(async_save=True, ram_tier=ram, ram_dir=f"{root}/shm")
     runtime = Runtime(rank, world, rank, torch.device("cpu"), world > 1, timeout_s=120)

@@ -29,7 +29,7 @@ def micro(dataset: str | Path, run_dir: str | Path, **tables) -> "object":
 
 
 def _outcome(fn):
-    from zaya.errors import ZayaError
+    from zaya.core.errors import ZayaError
 
     try:
         fn()
@@ -41,7 +41,7 @@ def _outcome(fn):
 def _sharing(rank: int, world: int, root: str, dataset: str, other: str) -> dict:
     """Each rank works in a directory of its own, like nodes that share no filesystem; relative paths in the config
     then name different directories on the two ranks."""
-    from zaya.dist.runtime import start
+    from zaya.distributed.runtime import start
     from zaya.train.build import resolve_datasets
     from zaya.train.trainer import _prepare_run_dir
 
@@ -96,8 +96,8 @@ def test_ranks_that_do_not_share_the_run_dir_or_the_data_fail_at_start_up(tmp_pa
 
 
 def _strict_step(rank: int, world: int, dataset: str, root: str, mode: str) -> dict:
-    from zaya.dist.checks import ExplicitDevices, HostReads
-    from zaya.dist.runtime import start
+    from zaya.distributed.checks import ExplicitDevices, HostReads
+    from zaya.distributed.runtime import start
     from zaya.train.trainer import HOST_READS_PER_STEP, Trainer
 
     parallel, _, cp = mode.partition("+cp")

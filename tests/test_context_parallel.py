@@ -1,4 +1,4 @@
-"""Context parallelism (zaya.dist.context_parallel): the zigzag layout, the CCA boundary exchange and both
+"""Context parallelism (zaya.distributed.context_parallel): the zigzag layout, the CCA boundary exchange and both
 attention methods against single-process attention, on 2-4 gloo ranks.
 
 Tolerances: fp32 1e-5 (the blocks' partial results are merged in fp32; the difference to one-pass attention is
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from dist_helpers import run_ranks
 
-from zaya.dist import context_parallel as cpm
+from zaya.distributed import context_parallel as cpm
 from zaya.model.attention import document_mask
 
 
@@ -90,7 +90,7 @@ def _reference(q, k, v, documents):
 
 
 def _attention_parity(rank: int, world: int, seq: int) -> dict:
-    from zaya.dist.runtime import start
+    from zaya.distributed.runtime import start
 
     rt = start(cp_size=world)
     cp = cpm.CPGroup(rt.cp_group, rt.cp_rank, rt.cp_size)
@@ -132,7 +132,7 @@ def test_cp_attention_equals_single_process_attention(world):
 # --------------------------------------------------------------------------------------------- CCA layer (ranks)
 def _cca_layer_parity(rank: int, world: int, seq: int, method: str) -> dict:
     from zaya.config import ModelConfig
-    from zaya.dist.runtime import start
+    from zaya.distributed.runtime import start
     from zaya.model.attention import Attention
     from zaya.model.layers import RotaryEmbedding
 

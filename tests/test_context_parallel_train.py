@@ -113,7 +113,7 @@ def test_a_checkpoint_resumes_at_another_cp_size(tmp_path, shakespeare_dataset, 
 def test_a_stage_with_another_cp_size_stops_with_a_checkpoint_and_says_how_to_relaunch(tmp_path,
                                                                                         shakespeare_dataset):
     from zaya.train.trainer import Trainer
-    from zaya.dist.runtime import start
+    from zaya.distributed.runtime import start
 
     stages = [{"name": "short", "tokens": 256}, {"name": "long", "seq_len": 64, "context_parallel": 2}]
     config = micro(shakespeare_dataset, tmp_path / "run", stages=stages)
@@ -130,7 +130,7 @@ def test_a_stage_with_another_cp_size_stops_with_a_checkpoint_and_says_how_to_re
 
 
 def test_seq_lens_that_cp_cannot_split_are_config_errors(shakespeare_dataset, tmp_path):
-    from zaya.errors import ConfigError
+    from zaya.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"train.seq_len = 30 .*context_parallel = 2"):
         micro(shakespeare_dataset, tmp_path, train={"context_parallel": 2, "seq_len": 30})
@@ -142,7 +142,7 @@ def test_seq_lens_that_cp_cannot_split_are_config_errors(shakespeare_dataset, tm
 
 def test_a_cp_size_the_processes_cannot_hold_is_a_config_error_naming_the_fix(tmp_path, shakespeare_dataset, capsys):
     from zaya.cli import main
-    from zaya.errors import CONFIG_ERROR
+    from zaya.core.errors import CONFIG_ERROR
 
     config = tmp_path / "micro.toml"
     config.write_text(MICRO_CONFIG.format(dataset=shakespeare_dataset, run_dir=tmp_path / "run"))

@@ -617,7 +617,7 @@ def test_a_killed_prepares_folder_is_removed_when_its_owner_has_ended_and_report
     import os
     import socket
 
-    from zaya import procs
+    from zaya.core import procs
     from zaya.data import leftovers
 
     path = write_jsonl(tmp_path / "a.jsonl", ["some text", "more text"])
@@ -649,7 +649,7 @@ def test_a_full_disk_while_preparing_is_exit_5_naming_the_directory(tmp_path, mo
     import os
 
     from zaya.data.cache import resolve_dataset
-    from zaya.errors import DiskFullError
+    from zaya.core.errors import DiskFullError
 
     def full(self, ids, end_of_document):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

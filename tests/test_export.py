@@ -18,7 +18,7 @@ from zaya.checkpoint.consolidate import load_for_inference
 from zaya.checkpoint.export import export
 from zaya.cli import main
 from zaya.model.hf import load_hf
-from zaya.model.io import load_directory as load_pretrained
+from zaya.model.load import load_directory as load_pretrained
 
 STEPS = 2
 

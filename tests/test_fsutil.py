@@ -1,8 +1,8 @@
-"""zaya.fsutil's JSON reading: every way a file can fail to be JSON is a ValueError the caller names."""
+"""zaya.core.fsutil's JSON reading: every way a file can fail to be JSON is a ValueError the caller names."""
 
 import pytest
 
-from zaya.fsutil import loads_json, read_json
+from zaya.core.fsutil import loads_json, read_json
 
 
 @pytest.mark.parametrize("text", ["[" * 100_000, '{"a":' * 100_000, b"\xff\xfe{", "{", ""])

@@ -41,7 +41,7 @@ from zaya.checkpoint.commit import FileRecord, checksum_file, read_commit, write
 from zaya.checkpoint.consolidate import load_for_inference
 from zaya.checkpoint.export import export
 from zaya.cli import main
-from zaya.errors import CheckpointError
+from zaya.core.errors import CheckpointError
 from zaya.model.checksums import MANIFEST, write_checksums
 
 STEPS = 2
@@ -159,7 +159,7 @@ def test_a_crafted_metadata_is_refused_by_every_loader_and_runs_nothing(tmp_path
     from zaya.checkpoint.parts import ModelState
     from zaya.checkpoint.store import CheckpointStore
     from zaya.config import CheckpointConfig, model_config_from_dict
-    from zaya.dist.runtime import Runtime
+    from zaya.distributed.runtime import Runtime
     from zaya.model import ZayaForCausalLM
 
     bad, marker = tamper(run, tmp_path, kind)
@@ -257,7 +257,7 @@ def test_training_resume_skips_a_corrupt_checkpoint_it_cannot_move_aside(tmp_pat
     """On a run directory it cannot change, the store leaves the failed checkpoint in place and says so."""
     from zaya.checkpoint.store import CheckpointStore
     from zaya.config import CheckpointConfig
-    from zaya.dist.runtime import Runtime
+    from zaya.distributed.runtime import Runtime
 
     bad = copy_run(run, tmp_path / "run")
     (step_dir(bad) / "meta.json").write_text((step_dir(bad) / "meta.json").read_text().replace('"step"', '"stap"'))
@@ -279,7 +279,7 @@ def test_a_training_checkpoint_with_nan_weights_is_refused_for_inference(tmp_pat
     from zaya.checkpoint.parts import ModelState
     from zaya.checkpoint.store import CheckpointStore
     from zaya.config import CheckpointConfig
-    from zaya.dist.runtime import Runtime
+    from zaya.distributed.runtime import Runtime
 
     model, _, directory = load_for_inference(run)
     with torch.no_grad():
@@ -327,7 +327,7 @@ def test_exports_carry_checksums_and_normal_modes(exports):
 
 
 def current_umask() -> int:
-    from zaya.fsutil import umask
+    from zaya.core.fsutil import umask
 
     return umask()
 
@@ -913,7 +913,7 @@ def test_a_newest_checkpoint_whose_sizes_differ_from_its_commit_is_named_not_sil
     so. A step directory without COMMIT (a save that died) is still skipped without a word."""
     from zaya.checkpoint.store import CheckpointStore
     from zaya.config import CheckpointConfig
-    from zaya.dist.runtime import Runtime
+    from zaya.distributed.runtime import Runtime
 
     bad = copy_run(run, tmp_path / "run")
     (step_dir(bad) / ".metadata").write_bytes((step_dir(bad) / ".metadata").read_bytes() + b"\0")
@@ -974,7 +974,7 @@ def test_a_training_resume_refuses_a_meta_json_nested_100k_deep(tmp_path, run):
     from zaya.checkpoint.parts import ModelState
     from zaya.checkpoint.store import CheckpointStore
     from zaya.config import CheckpointConfig
-    from zaya.dist.runtime import Runtime
+    from zaya.distributed.runtime import Runtime
 
     bad = copy_run(run, tmp_path / "run")
     (step_dir(bad) / "meta.json").write_text(DEEP_JSON)

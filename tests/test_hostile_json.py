@@ -1,6 +1,6 @@
 """JSON files a run, its supervisor and the tuner read back, nested 100,000 deep or of the wrong kind: the json
 module raises RecursionError there, which ``except ValueError`` let through as a traceback. Each reader now parses
-with ``zaya.fsutil`` and either names the file in a zaya error or treats the file as what it is (no lock holder's
+with ``zaya.core.fsutil`` and either names the file in a zaya error or treats the file as what it is (no lock holder's
 record, no RAM-tier copy, no owner, a line to skip)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 
 DEEP = "[" * 100_000 + "]" * 100_000
 
@@ -59,7 +59,7 @@ def test_ram_tier_info_and_owner_records_nested_deep_are_no_copy_and_no_ended_ru
 def test_tune_files_nested_deep_are_config_errors_naming_them(tmp_path):
     from zaya.tune.gemm import _from_saved
     from zaya.tune.plan import mfu_from_metrics
-    from zaya.tune.profile import read_profile
+    from zaya.core.hardware import read_profile
 
     path = tmp_path / "profile.json"
     path.write_text(DEEP)

@@ -18,6 +18,7 @@ from zaya.model.attention import Attention
 from zaya.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from zaya.model.moe import Experts, MoEBlock, grouped_mm_supported
 from zaya.model.router import LinearRouter, ZayaRouter
+from zaya.serve.generate import generate
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -413,10 +414,10 @@ def test_generate_is_reproducible_and_greedy_matches_argmax():
     model = ZayaForCausalLM(tiny_config()).eval()
     perturb(model, seed=5)
     prompt = torch.randint(0, 97, (2, 5))
-    a = model.generate(prompt, 6, temperature=0.9, top_k=10, top_p=0.9, seed=7)
-    b = model.generate(prompt, 6, temperature=0.9, top_k=10, top_p=0.9, seed=7)
+    a = generate(model, prompt, 6, temperature=0.9, top_k=10, top_p=0.9, seed=7)
+    b = generate(model, prompt, 6, temperature=0.9, top_k=10, top_p=0.9, seed=7)
     assert a.shape == (2, 11) and torch.equal(a, b) and torch.equal(a[:, :5], prompt)
-    greedy = model.generate(prompt, 4, temperature=0)
+    greedy = generate(model, prompt, 4, temperature=0)
     seq = prompt
     for _ in range(4):
         nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
@@ -426,7 +427,7 @@ def test_generate_is_reproducible_and_greedy_matches_argmax():
 
 def _generate_checking_every_token(model, prompt, max_new_tokens, eos, **kw):
     """generate() as it was: the same decode loop, asking after every token whether every row emitted eos."""
-    from zaya.model.zaya import sample_next
+    from zaya.serve.sampling import sample_next
 
     b, t = prompt.shape
     state = model.new_state(b, t + max_new_tokens)
@@ -448,8 +449,8 @@ def _generate_checking_every_token(model, prompt, max_new_tokens, eos, **kw):
 
 
 def test_generate_eos_stop_checked_every_16_tokens_gives_the_same_output():
-    from zaya.dist.checks import HostReads
-    from zaya.model.zaya import EOS_CHECK_EVERY
+    from zaya.distributed.checks import HostReads
+    from zaya.serve.sampling import EOS_CHECK_EVERY
 
     torch.manual_seed(0)
     model = ZayaForCausalLM(tiny_config(num_layers=2)).eval()
@@ -457,8 +458,8 @@ def test_generate_eos_stop_checked_every_16_tokens_gives_the_same_output():
     prompt = torch.randint(0, 97, (2, 4), generator=torch.Generator().manual_seed(2))
     n = EOS_CHECK_EVERY + 4
     sampled = dict(temperature=1.0, top_k=8, seed=3)
-    free = model.generate(prompt, n, **sampled)[:, 4:]
-    greedy = model.generate(prompt, n, temperature=0)[:, 4:]
+    free = generate(model, prompt, n, **sampled)[:, 4:]
+    greedy = generate(model, prompt, n, temperature=0)[:, 4:]
     # eos = a token both rows sample early (all rows finish before the first check: the early stop is exercised),
     # the first greedy token of row 0 only (one row finishes), or a token no row emits.
     both = set(free[0, :8].tolist()) & set(free[1, :8].tolist())
@@ -469,17 +470,17 @@ def test_generate_eos_stop_checked_every_16_tokens_gives_the_same_output():
         want = _generate_checking_every_token(model, prompt, n, eos, **kw)
         if i == 0:  # one read for the prompt's ids, then one per EOS_CHECK_EVERY decoded tokens (here: it stops)
             with HostReads() as reads:
-                got = model.generate(prompt, n, eos_token_id=eos, **kw)
+                got = generate(model, prompt, n, eos_token_id=eos, **kw)
             assert reads.total == 1 + n // EOS_CHECK_EVERY, reads.report()
             assert (want[:, 4 + EOS_CHECK_EVERY:] == eos).all()
         else:
-            got = model.generate(prompt, n, eos_token_id=eos, **kw)
+            got = generate(model, prompt, n, eos_token_id=eos, **kw)
         assert torch.equal(got, want), (eos, kw)
     assert (want[:, 4:] == never).sum() == 0
 
 
 def test_sampling_respects_top_k_and_top_p():
-    from zaya.model.zaya import sample_next
+    from zaya.serve.sampling import sample_next
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
     g = torch.Generator().manual_seed(0)
@@ -504,7 +505,7 @@ def test_forward_rejects_bad_inputs():
         model.check_input_ids(torch.tensor([[-3, 2]]))
     model.check_input_ids(torch.tensor([[0, 96]]))
     with pytest.raises(ValueError, match="vocab_size=97"):  # generate checks its prompt
-        model.generate(torch.tensor([[1, 97]]), 2)
+        generate(model, torch.tensor([[1, 97]]), 2)
     with pytest.raises(ValueError, match="attention_mask shape"):
         model(torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 3))
     state = model.new_state(1, 4)

@@ -123,7 +123,7 @@ def test_custom_backwards_run_without_autocast():
     Function of the model: each backward sees autocast off."""
     import inspect
 
-    import zaya.dist.context_parallel as cp
+    import zaya.distributed.context_parallel as cp
     from zaya.model import layers, loss, moe
 
     functions = [obj for module in (layers, loss, moe, cp) for _, obj in inspect.getmembers(module, inspect.isclass)
@@ -137,7 +137,7 @@ def test_custom_backwards_run_without_autocast():
             return x * 2
 
         @staticmethod
-        @__import__("zaya.device", fromlist=["backward_without_autocast"]).backward_without_autocast
+        @__import__("zaya.core.device", fromlist=["backward_without_autocast"]).backward_without_autocast
         def backward(ctx, grad):
             seen.append(torch.is_autocast_enabled("cpu"))
             return grad * 2

@@ -1,7 +1,7 @@
 """The MoE dispatch as a GPU would run it: no host reads, static shapes, and what that asks of the grouped GEMMs.
 
 - a whole training forward + backward (grouped_mm path, skip class on, CCA, fp32 and bf16 autocast) reads nothing
-  back to the host (``zaya.dist.checks.HostReads``) and creates no tensor without a device (``ExplicitDevices``);
+  back to the host (``zaya.distributed.checks.HostReads``) and creates no tensor without a device (``ExplicitDevices``);
 - grouped_mm against the loop reference: outputs and every gradient (fp32 tight, bf16 loose), an expert with no
   tokens getting exactly zero weight gradients;
 - ``F.grouped_mm`` leaves the rows past the last offset (the skipped assignments) and, on some GPUs, an empty
@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from zaya.config import ModelConfig
-from zaya.dist.checks import ExplicitDevices, HostReads
+from zaya.distributed.checks import ExplicitDevices, HostReads
 from zaya.model import ZayaForCausalLM
 from zaya.model.moe import Experts, MoEBlock, grouped_mm_supported
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from zaya.dist.checks import HostReads
+from zaya.distributed.checks import HostReads
 from zaya.optim import Muon, orthogonalize, zeropower_via_newtonschulz
 from zaya.optim import newton_schulz as ns
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from zaya.dist.checks import HostReads
+from zaya.distributed.checks import HostReads
 from zaya.optim import Muon, newton_schulz
 from zaya.optim.muon_distributed import assign, chunk_sizes
 

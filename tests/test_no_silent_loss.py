@@ -17,7 +17,7 @@ from dist_helpers import run_ranks
 from proc_helpers import sigterm_after_two_steps
 
 from zaya.config import load_config
-from zaya.errors import CheckpointError
+from zaya.core.errors import CheckpointError
 
 QUICK = ["--set", "train.eval_every=0", "--set", "train.sample_tokens=0"]
 
@@ -175,7 +175,7 @@ def test_zaya_train_on_a_full_disk_at_start_exits_5_naming_the_run_directory(tmp
 
 
 def test_a_metrics_file_that_cannot_be_written_is_exit_5_naming_it(tmp_path):
-    from zaya.errors import DiskFullError
+    from zaya.core.errors import DiskFullError
     from zaya.train.metrics import MetricsLog
 
     class Full:

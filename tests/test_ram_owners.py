@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from proc_helpers import ended_process
-from zaya import procs
+from zaya.core import procs
 from zaya.checkpoint import ram_owners
 from zaya.checkpoint.store import CheckpointStore
 from zaya.config import CheckpointConfig, load_config
-from zaya.dist.runtime import Runtime
+from zaya.distributed.runtime import Runtime
 
 
 def make_store(tmp_path, run: str = "run", logs: list[str] | None = None, **kw) -> CheckpointStore:

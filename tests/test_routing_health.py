@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zaya.config import ModelConfig
-from zaya.dist.checks import HostReads
+from zaya.distributed.checks import HostReads
 from zaya.model import ZayaForCausalLM
 from zaya.model.moe import switch_balancing_loss
 from zaya.model.router import routers_of
@@ -81,7 +81,7 @@ def test_model_returns_the_aux_loss_only_when_asked_and_training():
 
 
 def test_trainer_logs_routing_health_inside_its_read_budget(tmp_path, micro_config):
-    from zaya.dist.runtime import Runtime
+    from zaya.distributed.runtime import Runtime
     from zaya.config import load_config
     from zaya.train.trainer import HOST_READS_PER_STEP, Trainer
 
@@ -103,7 +103,7 @@ def test_trainer_logs_routing_health_inside_its_read_budget(tmp_path, micro_conf
 
 def test_aux_loss_training_logs_the_language_model_loss(tmp_path, micro_config):
     """With the auxiliary loss on, the logged loss is still the cross-entropy (same first-step loss as without)."""
-    from zaya.dist.runtime import Runtime
+    from zaya.distributed.runtime import Runtime
     from zaya.config import load_config
     from zaya.train.trainer import Trainer
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from zaya.config import Config
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 from zaya.train.run_dir import prepare_run_dir
 from zaya.train.run_lock import JOB_ENV, JOB_LOCK, RANK0_LOCK, lock_run_dir
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from serve_helpers import ServerThread, post_json, tiny_model
+from zaya.serve.generate import generate
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_completions_chat_streaming_and_scoring(server):
     choice = out.choices[0]
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == len(choice.logprobs.tokens)
     with torch.no_grad():  # greedy = argmax of the forward over the prompt and what was generated
-        gen = model.generate(torch.tensor([ids]), out.usage.completion_tokens, temperature=0)[0, len(ids):]
+        gen = generate(model, torch.tensor([ids]), out.usage.completion_tokens, temperature=0)[0, len(ids):]
     assert choice.text == tok.decode(gen.tolist(), skip_special_tokens=True)
 
     # streaming: the pieces add up to the same text, and the stream ends with [DONE]

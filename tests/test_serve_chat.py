@@ -95,7 +95,7 @@ def test_a_template_never_reaches_python(tmp_path, shakespeare_dataset, payload,
 
 
 def test_a_template_that_cannot_be_used_stops_the_server_at_start(tmp_path, shakespeare_dataset):
-    from zaya.errors import ConfigError
+    from zaya.core.errors import ConfigError
     from zaya.serve.chat import ChatTemplate
 
     deep = '{"chat_template": ' + "[" * 100000 + "]" * 100000 + "}"  # nested past the recursion limit

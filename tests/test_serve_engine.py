@@ -8,6 +8,7 @@ import torch
 
 from serve_helpers import tiny_model
 from zaya.serve.engine import ContextLengthError, Engine
+from zaya.serve.generate import generate
 from zaya.serve.request import Request
 from zaya.serve.sampling import SamplingParams
 from zaya.serve.text import TextStream
@@ -94,12 +95,12 @@ def test_generate_runs_on_the_engine_with_left_padding():
     for i, r in enumerate(rows):
         ids[i, 7 - len(r):] = torch.tensor(r)
         mask[i, 7 - len(r):] = 1
-    out = model.generate(ids, 6, temperature=0, attention_mask=mask)
+    out = generate(model, ids, 6, temperature=0, attention_mask=mask)
     for i, r in enumerate(rows):
-        alone = model.generate(torch.tensor([r]), 6, temperature=0)
+        alone = generate(model, torch.tensor([r]), 6, temperature=0)
         assert out[i, 7:].tolist() == alone[0, len(r):].tolist()
     with pytest.raises(ValueError, match="left padding"):
-        model.generate(ids, 2, attention_mask=mask.flip(1))
+        generate(model, ids, 2, attention_mask=mask.flip(1))
 
 
 def test_text_stream_holds_back_a_possible_stop():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from serve_helpers import tiny_model
+from zaya.serve.generate import generate
 
 HUGE = 2**40
 LONG = 10**9
@@ -42,14 +43,14 @@ def test_bytes_needed_is_what_a_decoder_allocates():
 
 def test_slots_that_do_not_fit_are_refused_before_anything_is_allocated(monkeypatch):
     import zaya.model.slots as slots
-    from zaya.errors import ConfigError
+    from zaya.core.errors import ConfigError
 
     model = tiny_model(vocab_size=512, max_seq_len=HUGE)
     with pytest.raises(slots.SlotMemoryError, match=r"16 slot\(s\) of 1,099,511,627,776 tokens need") as caught:
         slots.SlotDecoder(model, 16, HUGE)
     assert isinstance(caught.value, ConfigError) and caught.value.needed > 2**50
     with pytest.raises(slots.SlotMemoryError):  # generate sizes its cache by prompt + max_new_tokens
-        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=HUGE)
+        generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=HUGE)
 
     # just too much for what is free: refused, and the model's state is never asked for
     needed = slots.SlotDecoder.bytes_needed(model, 4, 1000)
@@ -63,7 +64,7 @@ def test_slots_that_do_not_fit_are_refused_before_anything_is_allocated(monkeypa
 
 
 def test_the_context_length_of_zaya_serve():
-    from zaya.errors import ConfigError
+    from zaya.core.errors import ConfigError
     from zaya.serve.limits import DEFAULT_MAX_MODEL_LEN, context_length
 
     assert context_length(None, HUGE) == DEFAULT_MAX_MODEL_LEN == 8192

@@ -15,7 +15,7 @@ import torch
 
 from proc_helpers import sigterm_after_two_steps
 from zaya.config import ConfigError, OptimConfig, load_config
-from zaya.errors import NonFiniteLossError
+from zaya.core.errors import NonFiniteLossError
 from zaya.optim.build import accumulation_steps, global_batch_tokens, lr_factor, split_parameters
 
 

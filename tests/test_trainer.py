@@ -10,7 +10,7 @@ import torch
 
 from zaya.cli import main
 from zaya.config import Config, TrainConfig, config_differences, load_config
-from zaya.dist.runtime import Runtime
+from zaya.distributed.runtime import Runtime
 
 
 def build(cfg_path, *overrides: str, resume: str = "never", callbacks=None):
@@ -102,7 +102,7 @@ def test_a_signal_during_a_steps_collectives_stops_the_run_after_the_next_step(t
 
 
 def test_a_step_reads_the_host_once_whatever_its_accumulation(tmp_path, micro_config):
-    from zaya.dist.checks import HostReads
+    from zaya.distributed.checks import HostReads
     from zaya.train.trainer import HOST_READS_PER_STEP
 
     # 4 micro-batches per step; bf16 autocast (the default); the skip class is on in the micro model; hidden 128,
@@ -117,8 +117,8 @@ def test_a_step_reads_the_host_once_whatever_its_accumulation(tmp_path, micro_co
     assert record["accumulation"] == 4
     # The budget: the trainer's read of the step's scalars and Muon's read of its Gram drift checks, nothing else.
     assert reads.total <= HOST_READS_PER_STEP == 2, reads.report()
-    assert sorted(place.split(":")[0] for (_, place) in reads.events) == ["zaya/dist/runtime.py",
-                                                                           "zaya/optim/muon.py"], reads.report()
+    assert sorted(place.split(":")[0] for (_, place) in reads.events) == ["zaya/distributed/runtime.py",
+                                                                           "zaya/optim/muon_work.py"], reads.report()
 
 
 def test_validation_is_the_eval_code_and_is_token_weighted(tmp_path, micro_config, shakespeare_dataset):
@@ -177,7 +177,7 @@ def test_exit_codes_of_zaya_train(tmp_path, micro_config, monkeypatch, capsys):
 def test_the_table_of_exit_codes_is_documented():
     from pathlib import Path
 
-    from zaya import errors
+    from zaya.core import errors
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
     for code in (errors.FINISHED, errors.CONFIG_ERROR, errors.DATA_ERROR, errors.NON_FINITE, errors.CHECKPOINT_ERROR,

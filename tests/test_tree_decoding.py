@@ -1,4 +1,4 @@
-"""Tree-attention decoding over a sharded KV cache (``zaya.dist.tree_decoding``) against one process's decoding.
+"""Tree-attention decoding over a sharded KV cache (``zaya.serve.tree``) against one process's decoding.
 
 Every rank builds the same tiny random fp32 model (same seed, then ``perturb``) and decodes the same tokens; the
 test process decodes them with ``model.new_state`` / ``model.generate`` alone. Tolerance: 1e-5 absolute and
@@ -21,10 +21,11 @@ import torch
 from dist_helpers import free_port, run_ranks
 from test_model import perturb, tiny_config
 from zaya.cli import main
-from zaya.dist.runtime import Runtime
-from zaya.dist.tree_decoding import (METHODS, ShardedDecoder, local_attention, merge_pieces, pack, slice_bounds,
+from zaya.distributed.runtime import Runtime
+from zaya.serve.tree import (METHODS, ShardedDecoder, local_attention, merge_pieces, pack, slice_bounds,
                                     tree_generate)
 from zaya.model import ZayaForCausalLM
+from zaya.serve.generate import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 ATOL = RTOL = 1e-5
@@ -87,8 +88,8 @@ def _decode_worlds(rank: int, processes: int, ports: dict[int, int]) -> dict:
     costs here: about 6 s a process on 2 shared cores)."""
     import torch.distributed as dist
 
-    from zaya.dist.runtime import start
-    from zaya.dist.tree_decoding import CommStats
+    from zaya.distributed.runtime import start
+    from zaya.serve.tree import CommStats
 
     results: dict = {}
     for world in sorted(ports, reverse=True):
@@ -136,7 +137,7 @@ def test_sharded_decoding_matches_one_process(world, sharded_runs):
         expected_logits += [ref] * len(METHODS)
     model = build_model({})
     prompt = tokens(CASES[world][0][1])
-    expected = [model.generate(prompt, 6, **options) for _, options in SHARDED_GENERATE]
+    expected = [generate(model, prompt, 6, **options) for _, options in SHARDED_GENERATE]
     for r in results:
         for got, ref in zip(r["logits"], expected_logits, strict=True):
             for g, e in zip(got, ref, strict=True):
@@ -175,7 +176,7 @@ def test_one_rank_is_plain_decoding():
     prompt = tokens(4)
     for options in GENERATE:
         assert torch.equal(tree_generate(model, runtime, prompt, 7, eos_token_id=5, **options),
-                           model.generate(prompt, 7, eos_token_id=5, **options))
+                           generate(model, prompt, 7, eos_token_id=5, **options))
 
 
 def test_slices_put_the_prompt_end_on_the_last_rank():

@@ -1,6 +1,6 @@
 """``zaya tune comm``: the option checks, the bandwidth conventions and the recommendation (pure functions on
 synthetic curves), a quick 2-rank gloo sweep end to end (profile written into the tests' private cache), and DDP /
-FSDP2 picking the profile's settings up in ``zaya.dist.parallel.wrap``."""
+FSDP2 picking the profile's settings up in ``zaya.distributed.parallel.wrap``."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from dist_helpers import run_ranks
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 from zaya.tune import comm
-from zaya.tune import profile as hwprofile
+from zaya.core import hardware as hwprofile
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,8 +174,8 @@ def _wrap_rank(rank: int, world: int, mode: str) -> dict:
     import torch
     from torch import nn
 
-    from zaya.dist.parallel import wrap
-    from zaya.dist.runtime import start
+    from zaya.distributed.parallel import wrap
+    from zaya.distributed.runtime import start
 
     rt = start(device="cpu")
 
@@ -222,7 +222,7 @@ def test_wrap_takes_the_profile_settings(tmp_path):
 
 def test_cli_rejects_one_rank():
     """The installed command: a bad option is a ConfigError's exit code and message, before any rank starts."""
-    from zaya.errors import exit_code_of
+    from zaya.core.errors import exit_code_of
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     out = subprocess.run([sys.executable, "-m", "zaya", "tune", "comm", "--nproc", "1"], capture_output=True,
@@ -239,7 +239,7 @@ def _sweep_without_tensor_collectives(rank: int, world: int):
     import torch
     import torch.distributed as dist
 
-    from zaya.dist.runtime import start
+    from zaya.distributed.runtime import start
 
     def missing(*args, **kwargs):
         raise RuntimeError("not supported by this backend")
@@ -275,8 +275,8 @@ def _ddp_bucket_and_fsdp_forward(rank: int, world: int) -> dict:
     out = _wrap_rank(rank, world, "ddp")
     os.environ[hwprofile.PROFILE_ENV] = os.environ["FSDP_PROFILE"]
     hwprofile._CACHE.clear()
-    from zaya.dist.parallel import wrap
-    from zaya.dist.runtime import start
+    from zaya.distributed.parallel import wrap
+    from zaya.distributed.runtime import start
 
     rt = start(device="cpu")
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))

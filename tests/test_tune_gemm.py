@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from zaya.config import ModelConfig, load_config
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 from zaya.model import loss as zloss
 from zaya.model.info import forward_flops_per_token, model_info
 from zaya.optim import newton_schulz as ns
 from zaya.train.metrics import device_peak_flops
-from zaya.tune import gemm, profile
+from zaya.core import hardware as profile
+from zaya.tune import gemm
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from zaya.config import load_config
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 from zaya.tune import plan
 from zaya.tune.activation_trace import activation_model, trace_micro_batch
 from zaya.tune.live_memory import LiveMemory

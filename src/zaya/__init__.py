@@ -8,11 +8,20 @@ def load_pretrained(path, dtype=None, device="cpu"):
     newer one skipped is named on stderr), a training checkpoint (any world size), a zaya checkpoint or a Hugging
     Face ``zaya`` directory; the same loader as ``zaya generate``/``eval``/``export``
     (``zaya.checkpoint.consolidate.load_for_inference``). The files are read as data, never code, and checked (an
-    export's ``SHA256SUMS``, every tensor): anything wrong is a ``zaya.errors.CheckpointError`` naming the file.
+    export's ``SHA256SUMS``, every tensor): anything wrong is a ``zaya.core.errors.CheckpointError`` naming the file.
     Tensors keep their stored dtype unless ``dtype`` (a torch.dtype) is given."""
     from zaya.checkpoint.consolidate import load_for_inference
 
     return load_for_inference(path, device=device, dtype=dtype)[0]
 
 
-__all__ = ["__version__", "load_pretrained"]
+def generate(model, input_ids, max_new_tokens, **options):
+    """Sample ``max_new_tokens`` after ``input_ids`` [B, T] with ``model`` (temperature, top_k, top_p, seed,
+    attention_mask, eos_token_id as keywords): ``zaya.serve.generate.generate``, the decoding ``zaya generate`` and
+    ``zaya serve`` run. Returns [B, T + max_new_tokens]."""
+    from zaya.serve.generate import generate as run
+
+    return run(model, input_ids, max_new_tokens, **options)
+
+
+__all__ = ["__version__", "generate", "load_pretrained"]

@@ -1,7 +1,7 @@
 """The ``zaya`` command: parse arguments, call one function per verb, print the result.
 
 Heavy modules (torch, the model) are imported inside each verb, so ``zaya --help`` is instant. Exit codes follow
-the table in ``zaya.errors`` (docs/architecture.md): 0 finished, 2 a config or input error, 3 a data error, 4 a
+the table in ``zaya.core.errors`` (docs/architecture.md): 0 finished, 2 a config or input error, 3 a data error, 4 a
 non-finite loss, 5 a checkpoint failure, 6 a collective timeout or lost peer, 75 stopped by a signal with a
 checkpoint written, 70 an internal error (a bug: the traceback is printed). A known error prints one line,
 ``zaya: error: ...``; set ZAYA_DEBUG=1 to see its traceback too.
@@ -16,10 +16,10 @@ import sys
 import traceback
 from typing import Any, Sequence
 
-from zaya import errors
+from zaya.core import errors
 
 TREE_METHODS = ("tree", "butterfly", "ring", "ring-partials")
-"""``zaya.dist.tree_decoding.METHODS``, restated so that parsing the command line imports no torch (a test checks
+"""``zaya.serve.tree.METHODS``, restated so that parsing the command line imports no torch (a test checks
 that the two agree)."""
 
 # Verbs that only read and write files (no training or model step): a ValueError there is about their input.
@@ -161,7 +161,7 @@ def _load(args: argparse.Namespace, need_tokenizer: bool, device=None):
     code 2)."""
     from zaya.checkpoint.consolidate import describe, load_for_inference
     from zaya.data.tokenizer import Tokenizer
-    from zaya.device import resolve_device
+    from zaya.core.device import resolve_device
 
     device = device if device is not None else resolve_device(args.device)
     try:
@@ -184,7 +184,7 @@ def _load(args: argparse.Namespace, need_tokenizer: bool, device=None):
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from zaya.device import autocast
+    from zaya.core.device import autocast
 
     if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
         raise errors.ConfigError("--max-new-tokens and --temperature must be >= 0 and --top-p in (0, 1]")
@@ -211,19 +211,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             prompt = torch.tensor([prompt_ids], device=device)
             if runtime is None:
                 from zaya.model.slots import SlotMemoryError
+                from zaya.serve.generate import generate
 
                 try:  # its KV cache holds the prompt and --max-new-tokens, checked before it is allocated
-                    out = model.generate(prompt, **options)
+                    out = generate(model, prompt, **options)
                 except SlotMemoryError as exc:
                     raise errors.ConfigError(f"{exc.what}: ask for fewer --max-new-tokens (now "
                                              f"{args.max_new_tokens}) or give a shorter --prompt") from None
             else:
-                from zaya.dist.tree_decoding import tree_generate
+                from zaya.serve.tree import tree_generate
 
                 out = tree_generate(model, runtime, prompt, method=args.tree_method, **options)
     finally:
         if runtime is not None:
-            from zaya.dist.runtime import stop
+            from zaya.distributed.runtime import stop
 
             stop(runtime)
     if runtime is None or runtime.is_main:  # every rank holds the same tokens; one prints them
@@ -236,7 +237,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _tree_parallel_runtime(args: argparse.Namespace):
     """The process group for ``--tree-parallel N``: N must be the number of processes torchrun started."""
-    from zaya.dist.runtime import launched_by_torchrun, start
+    from zaya.distributed.runtime import launched_by_torchrun, start
 
     n = args.tree_parallel
     if n < 1:
@@ -280,7 +281,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     """``zaya eval --tasks``: lm-evaluation-harness tasks on the serving engine (zaya.eval.harness)."""
     import torch
 
-    from zaya.device import autocast
+    from zaya.core.device import autocast
     from zaya.eval.harness import evaluate_tasks
 
     from zaya.model.slots import SlotMemoryError

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 
 __all__ = ["AegisConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
            "StageConfig", "TrainConfig", "config_differences", "load_config", "resumable"]

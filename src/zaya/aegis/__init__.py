@@ -6,7 +6,8 @@ One concern per module: ``heartbeat`` (the trainer callback and its reader), ``d
 rewind: skipped batches, a temporary LR cut), ``detectors`` (the rules), ``policy`` (finding -> action, repeat
 limits), ``sources`` (logs, kernel log, psutil/NVML/amd-smi), ``supervisor`` (the launch/watch/act loop),
 ``events`` (events.jsonl and ``zaya aegis report``), ``chaos`` (fault injection), ``standby`` (the next attempt,
-started ahead), ``lineage`` (the job ends with its supervisor; pids checked before they are trusted).
+started ahead), ``lineage`` (the job ends with its supervisor; pids checked before they are trusted), ``env`` (the environment
+variables and paths a supervisor and its ranks share).
 docs/operations.md is the guide.
 """
 
@@ -15,17 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-AEGIS_DIR_ENV = "ZAYA_AEGIS_DIR"
-"""Set by the supervisor for every rank: the directory where heartbeats, directives and events live."""
-ATTEMPT_ENV = "ZAYA_AEGIS_ATTEMPT"
-"""Set by the supervisor: which launch of the job this is (0 first, then one more per relaunch)."""
-CHAOS_ENV = "ZAYA_CHAOS"
-"""A chaos plan file (JSON); when set, the trainer injects the faults it lists (``zaya.aegis.chaos``)."""
-
-
-def aegis_dir(run_dir: str | Path) -> Path:
-    """Where Aegis keeps its files inside a run directory."""
-    return Path(run_dir) / "aegis"
+from zaya.aegis.env import AEGIS_DIR_ENV, CHAOS_ENV
 
 
 def trainer_callbacks() -> list:

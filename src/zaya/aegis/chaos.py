@@ -28,9 +28,9 @@ from typing import Any
 
 import psutil
 
-from zaya.aegis import ATTEMPT_ENV, CHAOS_ENV
-from zaya.errors import ConfigError
-from zaya.fsutil import loads_json, read_json
+from zaya.aegis.env import ATTEMPT_ENV, CHAOS_ENV
+from zaya.core.errors import ConfigError
+from zaya.core.fsutil import loads_json, read_json
 from zaya.train.callbacks import Callback
 
 KINDS = ("kill", "hang", "raise", "nan", "slow", "stall", "corrupt_checkpoint", "disk_full", "xid", "ecc",
@@ -126,7 +126,7 @@ class ChaosHook(Callback):
 
     @classmethod
     def from_env(cls) -> "ChaosHook":
-        from zaya.aegis import AEGIS_DIR_ENV
+        from zaya.aegis.env import AEGIS_DIR_ENV
 
         where = os.environ.get(AEGIS_DIR_ENV)
         spec = os.environ[CHAOS_ENV]
@@ -242,7 +242,7 @@ def _live_rank(run_dir: Path, rank: int, hb: dict[str, Any] | None) -> psutil.Pr
 
 def request(run_dir: Path, kind: str, rank: int, **options: Any) -> str:
     """Inject ``kind`` into a live supervised run now (``zaya chaos inject``); returns what was done."""
-    from zaya.aegis import aegis_dir
+    from zaya.aegis.env import aegis_dir
     from zaya.aegis.heartbeat import heartbeat_dir, read_heartbeats
 
     if kind not in KINDS:

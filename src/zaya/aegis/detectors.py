@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from zaya import errors
+from zaya.core import errors
 
 
 @dataclass
@@ -115,7 +115,7 @@ _CODE_CLASS = {errors.CONFIG_ERROR: "config", errors.DATA_ERROR: "data", errors.
 
 
 def exit_class(code: int | None) -> str:
-    """The class of an exit code (``zaya.errors``); a negative code is the signal that killed the rank."""
+    """The class of an exit code (``zaya.core.errors``); a negative code is the signal that killed the rank."""
     if code is None:
         return "unknown"
     if code < 0 or code > 128 and code != errors.INTERRUPTED_AT_ONCE:

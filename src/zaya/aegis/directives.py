@@ -17,8 +17,8 @@ from typing import Any
 
 from zaya.aegis.heartbeat import write_json_atomic
 from zaya.config import INT_LIMIT
-from zaya.errors import ConfigError
-from zaya.fsutil import read_json
+from zaya.core.errors import ConfigError
+from zaya.core.fsutil import read_json
 from zaya.train.callbacks import Callback
 
 DIRECTIVES_FILE = "directives.json"

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zaya.errors import ConfigError
-from zaya.fsutil import atomic_write_text, loads_json
+from zaya.core.errors import ConfigError
+from zaya.core.fsutil import atomic_write_text, loads_json
 
 EVENTS_FILE = "events.jsonl"
 
@@ -60,7 +60,7 @@ def read_events(aegis: Path) -> list[dict[str, Any]]:
 def summarise(run_dir: Path) -> dict[str, Any]:
     """The figures of a supervised run, from its events (and the chaos injections, when there were any: the time
     to detect is then measured from the injection itself)."""
-    from zaya.aegis import aegis_dir
+    from zaya.aegis.env import aegis_dir
     from zaya.aegis.chaos import read_injections
 
     aegis = aegis_dir(run_dir)

@@ -22,10 +22,10 @@ from typing import Any
 
 import psutil
 
-from zaya import procs
+from zaya.core import procs
 from zaya.aegis.lineage import live_process
-from zaya.errors import exit_code_of
-from zaya.fsutil import read_json
+from zaya.core.errors import exit_code_of
+from zaya.core.fsutil import read_json
 from zaya.train.callbacks import Callback
 
 PHASES = ("startup", "train", "checkpoint", "eval")

@@ -12,7 +12,7 @@ finishes its step, checkpoints, exits 75), and SIGKILLs it when that took longer
 ``graceful_stop_s``. A warm standby's waiting ranks use the same check (``zaya.aegis.standby``).
 
 A supervisor counts as gone when its pid no longer runs, is a zombie, or runs a process started at another time
-(the pid was reused): ``zaya.procs``, which every such judgement in zaya shares.
+(the pid was reused): ``zaya.core.procs``, which every such judgement in zaya shares.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Callable, Mapping
 
 import psutil
 
-from zaya import procs
+from zaya.core import procs
 
 SUPERVISOR_PID_ENV = "ZAYA_AEGIS_SUPERVISOR_PID"
 """Set by the supervisor for every process it launches: its pid. (``zaya.checkpoint.ram_owners``, a floor below,
@@ -41,7 +41,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 def live_process(pid: int, started: float) -> psutil.Process | None:
-    """The process with ``pid`` on this host when it still is the one started at ``started`` (``zaya.procs``);
+    """The process with ``pid`` on this host when it still is the one started at ``started`` (``zaya.core.procs``);
     None otherwise. The returned handle refuses to signal a process that later takes the same pid (psutil)."""
     if procs.gone({"host": socket.gethostname(), "pid": pid, "started": started}) is not False:
         return None

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from zaya.aegis.lineage import supervisor_gone
-from zaya.fsutil import read_json
+from zaya.core.fsutil import read_json
 
 STANDBY_ENV = "ZAYA_AEGIS_STANDBY"
 """Set by the supervisor for a standby's ranks: the go file to wait for (with the supervisor's identity,

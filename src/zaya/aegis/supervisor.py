@@ -34,8 +34,8 @@ from typing import Any, Sequence
 
 import psutil
 
-from zaya import errors
-from zaya.aegis import AEGIS_DIR_ENV, ATTEMPT_ENV, CHAOS_ENV, aegis_dir
+from zaya.core import errors
+from zaya.aegis.env import AEGIS_DIR_ENV, ATTEMPT_ENV, CHAOS_ENV, aegis_dir
 from zaya.aegis.detectors import Finding, Line, Observation, build_detectors, diagnose
 from zaya.aegis.directives import add_directive
 from zaya.aegis.events import EventLog
@@ -45,7 +45,7 @@ from zaya.aegis.policy import Decision, Policy
 from zaya.aegis.sources import GpuCounters, KernelLog, LogTail, disk_free_mb, process_status
 from zaya.aegis.standby import STANDBY_ENV, write_go
 from zaya.config import Config
-from zaya.fsutil import loads_json
+from zaya.core.fsutil import loads_json
 from zaya.train.run_lock import JOB_ENV, RunLock
 
 _RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from zaya.fsutil import loads_json, read_json
+from zaya.core.fsutil import loads_json, read_json
 from zaya.model.checksums import is_plain_name
 
 COMMIT = "COMMIT"
@@ -136,7 +136,7 @@ def _clip(value: object) -> str:
 
 
 def write_commit(path: Path, step: int, files: dict[str, FileRecord]) -> None:
-    from zaya.fsutil import atomic_write_text
+    from zaya.core.fsutil import atomic_write_text
 
     body = {"format": COMMIT_FORMAT, "step": step,
             "files": {name: {"size": r.size, **({r.algorithm: r.checksum} if r.algorithm else {})}

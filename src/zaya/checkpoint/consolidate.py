@@ -28,7 +28,7 @@ from zaya.checkpoint.commit import (METADATA, NO_MARKER, STEP_DIR, committed_che
                                     read_meta, unloadable, verification_problem)
 from zaya.checkpoint.errors import CheckpointError
 from zaya.checkpoint.reader import AllowListReader, check_entries, load_dcp
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 
 TOKENIZER = "tokenizer.json"
 
@@ -125,7 +125,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dty
 
             model = build_from_state_dict(model.config, model.state_dict(), str(directory), dtype)
     else:
-        from zaya.model.io import load_directory
+        from zaya.model.load import load_directory
 
         model = load_directory(directory, dtype)
     return model.to(device).eval(), find_tokenizer(kind, directory), directory

@@ -1,5 +1,5 @@
-"""The checkpoint package's error type (zaya.errors.CheckpointError, exit code 5), importable from here too."""
+"""The checkpoint package's error type (zaya.core.errors.CheckpointError, exit code 5), importable from here too."""
 
-from zaya.errors import CheckpointError
+from zaya.core.errors import CheckpointError
 
 __all__ = ["CheckpointError"]

@@ -12,7 +12,7 @@ layouts (both hold the weights as safetensors; they differ in names and metadata
 The tokenizer.json found with the source (``consolidate.find_tokenizer``) is copied along, so ``zaya generate`` and
 ``zaya eval`` take the export as it is; ``SHA256SUMS`` (``zaya.model.checksums``) is written last, listing every
 file, and every later load of the export checks it. Everything is written into a temporary sibling directory that is
-renamed into place only when complete (``zaya.fsutil.atomic_directory``, which also gives the files and directory
+renamed into place only when complete (``zaya.core.fsutil.atomic_directory``, which also gives the files and directory
 the modes a plain ``open`` would, 0644 / 0755 under the usual umask): an interrupted export leaves no half-written
 destination, and with ``overwrite`` an existing one is replaced only once the new one is complete. A non-empty
 destination is refused without ``overwrite``, and one that is (or holds) the source always.
@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 
 FORMATS = {"hf": "Hugging Face zaya layout", "safetensors": "zaya checkpoint"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,7 +43,7 @@ def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: st
     ``log``, when given, receives one line saying what was written.
     """
     from zaya.checkpoint.consolidate import TOKENIZER, describe, load_for_inference
-    from zaya.fsutil import atomic_directory
+    from zaya.core.fsutil import atomic_directory
     from zaya.model.checksums import write_checksums
     from zaya.model.hf import write_hf
     from zaya.model.io import write_checkpoint

@@ -7,7 +7,7 @@ The RAM tier (``ram_tier``) lives in memory that outlasts its processes, so noth
   or is writable by others is refused (``problem``): whoever can write there could swap a copy for one of their own,
   which a restart would load. The store then keeps to disk, with a warning that names the directory.
 - **Owned.** Each rank that uses the tier records itself in ``rank-NNNNN.owner.json`` (``claim``): its process
-  (host, pid, start time: ``zaya.procs``), the torchrun agent that launched it, if any, and the supervisor that
+  (host, pid, start time: ``zaya.core.procs``), the torchrun agent that launched it, if any, and the supervisor that
   will relaunch it, if any (``zaya run`` names itself to its ranks in ``SUPERVISOR_ENV``).
 - **Removed when its run has ended.** A finished run removes its copy (the store's ``forget_ram_tier``), and so does
   a run that ends in an error no supervisor will restart (``restart_expected``), and a supervisor that gives a run
@@ -28,8 +28,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from zaya import procs
-from zaya.fsutil import read_json
+from zaya.core import procs
+from zaya.core.fsutil import read_json
 
 OWNER_SUFFIX = ".owner.json"
 SUPERVISOR_ENV = ("ZAYA_AEGIS_SUPERVISOR_PID", "ZAYA_AEGIS_SUPERVISOR_START")

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from zaya.checkpoint import ram_owners
-from zaya.fsutil import read_json
+from zaya.core.fsutil import read_json
 
 DEFAULT_DIR = f"/dev/shm/zaya-{os.getuid()}"
 """Per user: a directory of the user's own (mode 0700), which no other user can have made first under that name

@@ -84,9 +84,9 @@ from zaya.checkpoint.staging import (HostBuffers, Ownership, assign_owners, loca
                                      tensor_bytes)
 from zaya.checkpoint.writer import ChecksummingWriter
 from zaya.config import CheckpointConfig
-from zaya.dist.runtime import Runtime
-from zaya.errors import DISK_FULL_ERRNOS
-from zaya.fsutil import atomic_write_bytes, read_json, replace_directory, restore_aside
+from zaya.distributed.runtime import Runtime
+from zaya.core.errors import DISK_FULL_ERRNOS
+from zaya.core.fsutil import atomic_write_bytes, read_json, replace_directory, restore_aside
 
 __all__ = ["COMMIT", "META", "RESERVED_META_KEYS", "CheckpointError", "CheckpointStore", "SaveOutcome", "Stateful",
            "check_model_config", "is_complete", "latest_checkpoint", "list_checkpoints", "read_meta",

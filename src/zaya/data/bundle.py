@@ -31,8 +31,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from zaya.errors import DataError
-from zaya.fsutil import read_json
+from zaya.core.errors import DataError
+from zaya.core.fsutil import read_json
 
 MAGIC = b"ZAYABNDL"
 BUNDLE_VERSION = 1

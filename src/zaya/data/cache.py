@@ -14,8 +14,8 @@ from typing import Callable
 
 from zaya.data.bundle import DATASET_VERSION, MANIFEST, DatasetError
 from zaya.data.sources import BUILTIN
-from zaya.errors import writing
-from zaya.fsutil import cache_root
+from zaya.core.errors import writing
+from zaya.core.fsutil import cache_root
 
 BUILTIN_VAL_FRACTION = 0.05
 ELSEWHERE = "set ZAYA_CACHE_DIR to a directory on a disk with room"

@@ -1,8 +1,8 @@
 """A prepare's temporary folder, and what the next prepare does with one that a killed prepare left behind.
 
-``prepare`` writes into ``.NAME.tmp-XXXXXX`` beside ``--out`` (``zaya.fsutil.atomic_directory``) and renames it into
+``prepare`` writes into ``.NAME.tmp-XXXXXX`` beside ``--out`` (``zaya.core.fsutil.atomic_directory``) and renames it into
 place at the end. ``claim`` puts ``.owner.json`` in it first (the writing process's host, pid and start time:
-``zaya.procs``) and ``release`` takes it out just before the rename. A prepare killed in between (SIGKILL, a lost
+``zaya.core.procs``) and ``release`` takes it out just before the rename. A prepare killed in between (SIGKILL, a lost
 node, a full disk that took the process down) leaves the folder behind; ``sweep``, run by the next prepare of the
 same ``--out`` (a built-in corpus's cache entry included), removes it when its owner has provably ended, and
 otherwise reports it without touching it: the owner still runs, ran on another host, or left no record.
@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from zaya import procs
-from zaya.fsutil import read_json
+from zaya.core import procs
+from zaya.core.fsutil import read_json
 
 OWNER = ".owner.json"
 

@@ -31,8 +31,8 @@ from zaya.data.bundle import (BUNDLE_SUFFIX, DATASET_FORMAT, DATASET_VERSION, MA
                               sha256_file)
 from zaya.data.sources import InputError, InputStats, Piece, expand_inputs, iter_documents, iter_pieces
 from zaya.data.tokenizer import Tokenizer
-from zaya.errors import writing
-from zaya.fsutil import atomic_directory, atomic_write_text
+from zaya.core.errors import writing
+from zaya.core.fsutil import atomic_directory, atomic_write_text
 
 BATCH_BYTES = 1 << 20
 SPLITS = ("train", "val")

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from zaya.errors import ConfigError
-from zaya.fsutil import loads_json
+from zaya.core.errors import ConfigError
+from zaya.core.fsutil import loads_json
 
 PIECE_BYTES = 4 << 20
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -36,8 +36,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from zaya.errors import ConfigError
-from zaya.fsutil import loads_json
+from zaya.core.errors import ConfigError
+from zaya.core.fsutil import loads_json
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
@@ -237,7 +237,7 @@ class Tokenizer:
                                    "fix or replace the tokenizer") from None
 
     def save(self, path: str | Path) -> None:
-        from zaya.fsutil import atomic_write_text
+        from zaya.core.fsutil import atomic_write_text
 
         atomic_write_text(path, self.backend.to_str(pretty=True))
 

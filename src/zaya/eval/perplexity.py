@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from zaya.device import autocast
+from zaya.core.device import autocast
 
 
 def loss_totals(model: torch.nn.Module, dataset, seq_len: int, batch_size: int, max_batches: int | None = None,

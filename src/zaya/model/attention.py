@@ -21,7 +21,7 @@ previous token's delayed value projection, so step-by-step decoding reproduces t
 **The sequence seam.** What an attention layer needs from outside its own tokens goes through a ``SequenceSeam``:
 the global index of each local token (RoPE and document masks use it), the CCA boundary (the raw q/k rows and the
 delayed value just before the local tokens) and the attention over keys that may live elsewhere. ``LocalSequence``,
-the default, has the whole sequence in the call. Context parallelism (``zaya.dist.context_parallel``) installs one
+the default, has the whole sequence in the call. Context parallelism (``zaya.distributed.context_parallel``) installs one
 that exchanges the boundary and the keys with the other ranks; this package never imports the distributed one.
 """
 
@@ -73,7 +73,7 @@ class AttentionCache:
     """CCA: [B, kv_heads*head_dim/2] delayed value projection of the last token (zeros before the start)."""
     shard: KeyShard | None = None
     """Set when this process holds only a part of the sequence's cached keys (tree-attention decoding,
-    ``zaya.dist.tree_decoding``): the shard appends and attends in place of the local cache path."""
+    ``zaya.serve.tree``): the shard appends and attends in place of the local cache path."""
 
 
 class KeyShard(Protocol):

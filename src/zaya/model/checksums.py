@@ -18,7 +18,7 @@ import stat
 from pathlib import Path
 from typing import Iterable
 
-from zaya.errors import CheckpointError
+from zaya.core.errors import CheckpointError
 
 MANIFEST = "SHA256SUMS"
 _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")

@@ -29,8 +29,8 @@ import torch
 from safetensors.torch import save_file
 
 from zaya.config import ConfigError, ModelConfig, model_config_from_dict, to_dict
-from zaya.errors import CheckpointError
-from zaya.fsutil import loads_json
+from zaya.core.errors import CheckpointError
+from zaya.core.fsutil import loads_json
 from zaya.model.checksums import check_listed, verify_checksums, write_checksums
 from zaya.model.io import (DAMAGED, atomic_directory, build_from_state_dict, check_layer_count, expected_shapes,
                            read_json_object, read_safetensors, safetensors_header)

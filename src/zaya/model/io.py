@@ -28,9 +28,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from zaya.config import ModelConfig, model_config_from_dict, to_dict
-from zaya.errors import CheckpointError
-from zaya import fsutil
-from zaya.fsutil import atomic_directory
+from zaya.core.errors import CheckpointError
+from zaya.core import fsutil
+from zaya.core.fsutil import atomic_directory
 from zaya.model.checksums import check_listed, verify_checksums, write_checksums
 from zaya.model.router import BALANCING_STATE, initial_balancing_state
 from zaya.model.zaya import ZayaForCausalLM
@@ -252,26 +252,3 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype | None = None) -> 
     model.hf_config = meta.get("hf_config")
     model.hf_generation_config = meta.get("hf_generation_config")
     return model
-
-
-def load_directory(path: str | Path, dtype: torch.dtype | None = None) -> ZayaForCausalLM:
-    """A model from a zaya checkpoint or a Hugging Face ``zaya`` directory (config.json + safetensors), in eval mode.
-
-    Tensors keep their stored dtype unless ``dtype`` is given. Nothing is re-initialised: the router's balancing
-    biases come from the file. The reader behind ``zaya.load_pretrained`` (``zaya.checkpoint.consolidate``), which
-    also takes run directories and training checkpoints.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path} is not a directory (expected a zaya checkpoint or a Hugging Face model "
-                                "directory)")
-    if is_zaya_checkpoint(path):
-        model = load_checkpoint(path, dtype)
-    elif (path / "config.json").is_file():
-        from zaya.model.hf import load_hf
-
-        model = load_hf(path, dtype)
-    else:
-        raise FileNotFoundError(f"{path} holds neither {ZAYA_META} (zaya checkpoint) nor config.json "
-                                "(Hugging Face checkpoint)")
-    return model.eval()

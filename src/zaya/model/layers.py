@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from zaya.device import backward_without_autocast
+from zaya.core.device import backward_without_autocast
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ couple of MB, cache-resident); the forward takes its log-softmax (into a second 
 targets' entries, the backward recomputes its softmax and turns it into ``(softmax - onehot) * g / n``, written
 straight into the gradient in the logits' dtype.
 
-The chunk holds the device's hardware profile's ``loss_chunk_elements`` fp32 values (``zaya.tune.profile``;
+The chunk holds the device's hardware profile's ``loss_chunk_elements`` fp32 values (``zaya.core.hardware``;
 default 2^19 = 2 MB, about the L2 of the development CPU), read once per forward and once per backward.
 """
 
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from zaya.device import backward_without_autocast
-from zaya.tune.profile import load_profile
+from zaya.core.device import backward_without_autocast
+from zaya.core.hardware import load_profile
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS: int | None = None  # fp32 elements per row chunk if set (tests); None: the hardware profile's

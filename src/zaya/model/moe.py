@@ -39,7 +39,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from zaya.config import ModelConfig
-from zaya.device import backward_without_autocast
+from zaya.core.device import backward_without_autocast
 from zaya.model.router import build_router
 
 

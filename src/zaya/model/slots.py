@@ -1,6 +1,6 @@
 """Slot-based decode state for many independent sequences, and the batched one-token decode step over them.
 
-This is the model half of the serving engine (``zaya.serve.engine`` schedules requests onto slots; ``generate``
+This is the model half of the serving engine (``zaya.serve.engine`` schedules requests onto slots; ``zaya.serve.generate``
 runs on the same engine). A ``SlotDecoder`` owns, per layer, a KV cache of ``num_slots`` rows of ``capacity``
 positions plus the CCA convolution and value-shift state of every row, allocated once and reused by every request
 that takes the slot (nothing is re-allocated per request or per token).
@@ -27,9 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 from zaya.model.attention import AttentionCache
 from zaya.model.layers import _rms_norm, apply_rotary
+from zaya.model.zaya import DecodeState
 
 
 class SlotMemoryError(ConfigError):
@@ -194,8 +195,6 @@ class SlotDecoder:
     def view(self, slot: int, count: int, length: int):
         """A ``DecodeState`` over slots ``[slot, slot + count)`` holding ``length`` tokens each, whose tensors are
         views into this decoder's buffers: the model's cached forward writes straight into the slots."""
-        from zaya.model.zaya import DecodeState
-
         rows = slice(slot, slot + count)
         caches = [AttentionCache(keys=c.keys[rows], values=c.values[rows],
                                  conv_state=None if c.conv_state is None else c.conv_state[rows],

@@ -15,9 +15,6 @@ from zaya.model.attention import Attention, AttentionCache
 from zaya.model.layers import InputAffine, ResidualScale, RMSNorm, RotaryEmbedding
 from zaya.model.loss import cross_entropy
 from zaya.model.moe import MoEBlock
-# Sampling lives with the serving engine (one implementation for generate, the engine and tree decoding); the names
-# stay importable from here.
-from zaya.serve.sampling import EOS_CHECK_EVERY, check_sampling, decode_tokens, sample_next  # noqa: F401
 
 
 @dataclass
@@ -285,43 +282,3 @@ class ZayaForCausalLM(nn.Module):
         caches = [blk.attention.new_cache(batch, capacity, dtype, param.device) for blk in self.blocks]
         return DecodeState(caches=caches, key_valid=torch.zeros(batch, capacity, dtype=torch.bool,
                                                                 device=param.device))
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        attention_mask: torch.Tensor | None = None,
-        eos_token_id: int | None = None,
-    ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` after ``input_ids`` [B, T] (left-pad a ragged batch and pass its mask).
-
-        temperature 0 means greedy. top_k keeps the k most likely tokens, top_p the smallest set whose probability
-        reaches p. A fixed ``seed`` makes sampling reproducible. Sequences that emit ``eos_token_id`` keep emitting
-        it; decoding stops early once every row has (checked every ``EOS_CHECK_EVERY`` tokens). The prompt's ids are
-        checked against the vocabulary (``check_input_ids``). Returns [B, T + max_new_tokens].
-
-        Runs on the serving engine (``zaya.serve.engine.Engine.generate_batch``): the same slot decoder and decode
-        step as ``zaya serve``, with the batch's rows sampled together through ``decode_tokens``.
-        """
-        from zaya.serve.engine import Engine
-
-        check_sampling(max_new_tokens, temperature, top_p)
-        if max_new_tokens == 0:
-            return input_ids
-        self.check_input_ids(input_ids)
-        b, t = input_ids.shape
-        engine = Engine(self, num_slots=b, capacity=t + max_new_tokens)
-        return engine.generate_batch(input_ids, max_new_tokens, temperature, top_k, top_p, seed, attention_mask,
-                                     eos_token_id)
-
-    def slot_decoder(self, num_slots: int, capacity: int, dtype: torch.dtype | None = None):
-        """A ``zaya.model.slots.SlotDecoder``: decode state for ``num_slots`` independent sequences of up to
-        ``capacity`` tokens (what the serving engine schedules requests onto). Its packed weights are taken now."""
-        from zaya.model.slots import SlotDecoder
-
-        return SlotDecoder(self, num_slots, capacity, dtype)

@@ -34,22 +34,19 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from zaya.optim.muon import Entry, StepChecks, Task, _ignore, local
+from zaya.optim.muon_work import Entry, Runner, StepChecks, Task, _ignore, local
 from zaya.optim.newton_schulz import gram_checked, ns_flops, plan, stacked
 
 try:
     from torch.distributed.tensor import DTensor, Partial, Replicate
 except ImportError:  # pragma: no cover
     DTensor = Partial = Replicate = None  # type: ignore[assignment,misc]
-
-if TYPE_CHECKING:
-    from zaya.optim.muon import Muon
 
 __all__ = ["update_replicated", "update_sharded", "update_gathered", "assign", "chunk_sizes"]
 
@@ -102,7 +99,7 @@ def _write(dst: Tensor, at: int, src: Tensor) -> None:
 # --- DDP: replicated parameters, one owner per matrix, results broadcast ---------------------------------------
 
 
-def update_replicated(opt: "Muon", entries: list[Entry], group: Any, checks: StepChecks) -> None:
+def update_replicated(opt: Runner, entries: list[Entry], group: Any, checks: StepChecks) -> None:
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     device = entries[0].p_local.device
@@ -189,7 +186,7 @@ def update_replicated(opt: "Muon", entries: list[Entry], group: Any, checks: Ste
 # --- FSDP2: Shard(0) DTensors; experts local, 2-D matrices gathered to an owner ----------------------------------
 
 
-def update_sharded(opt: "Muon", mesh: Any, entries: list[Entry], checks: StepChecks) -> None:
+def update_sharded(opt: Runner, mesh: Any, entries: list[Entry], checks: StepChecks) -> None:
     world = mesh.size()
     rank = mesh.get_local_rank()
     group = mesh.get_group()
@@ -360,7 +357,7 @@ def _copy_out(out: Tensor, i: int | None, ortho: Tensor) -> None:
     (out if i is None else out[i]).copy_(ortho)
 
 
-def update_gathered(opt: "Muon", entries: list[Entry], checks: StepChecks) -> None:
+def update_gathered(opt: Runner, entries: list[Entry], checks: StepChecks) -> None:
     pending: dict[Any, list[tuple[Entry, list[Task], list[tuple[int, Tensor]]]]] = {}
     for e in entries:
         full_u = _gather_update(e)
@@ -388,7 +385,7 @@ def _collect(flags: list[tuple[int, Tensor]], k: int, f: Tensor) -> None:
     flags.append((k, f))
 
 
-def _resolve_gathered(opt: "Muon", part: list[tuple[Entry, list[Task], list[tuple[int, Tensor]]]],
+def _resolve_gathered(opt: Runner, part: list[tuple[Entry, list[Task], list[tuple[int, Tensor]]]],
                       bad: list[bool]) -> None:
     pos = 0
     for e, tasks, flags in part:

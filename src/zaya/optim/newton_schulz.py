@@ -44,7 +44,7 @@ GEMMs. Measurements: ``benchmarks/results.md`` ("Muon") and the comment on the C
 
 The CPU constants (the 256-row blocks, at most 8 of them, and the 256 below which matrices are batched) are the
 device's hardware profile's ``muon_block_rows``, ``muon_max_blocks`` and ``muon_cpu_small``
-(``zaya.tune.profile``; the defaults are the values measured here). They are read only for CPU matrices.
+(``zaya.core.hardware``; the defaults are the values measured here). They are read only for CPU matrices.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from zaya.tune.profile import load_profile
+from zaya.core.hardware import load_profile
 
 __all__ = ["orthogonalize", "zeropower_via_newtonschulz", "ns_flops", "iteration_coefficients", "SCHEDULES",
            "NSConfig", "Workspace", "plan", "stacked", "gram_checked", "orthogonalize_", "standard_",

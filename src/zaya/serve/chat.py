@@ -24,8 +24,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from zaya.errors import ConfigError
-from zaya.fsutil import read_json
+from zaya.core.errors import ConfigError
+from zaya.core.fsutil import read_json
 from zaya.serve.prompt import encode_prompt
 from zaya.serve.template_sandbox import MAX_MEMORY, RenderError, TemplateProcess
 

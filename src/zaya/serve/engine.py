@@ -1,6 +1,6 @@
 """The inference engine: requests on slots, continuous batching, chunked prefill, one batched decode step.
 
-``Engine(model, num_slots, capacity)`` takes the model's slot decoder (``model.slot_decoder``: per slot a KV cache
+``Engine(model, num_slots, capacity)`` builds the model's slot decoder (``zaya.model.slots.SlotDecoder``: per slot a KV cache
 plus the CCA convolution and value-shift state, allocated once). ``submit`` queues a ``Request``; each ``step``:
 
 1. admits waiting requests into free slots (the lowest free one first, which keeps the decoding rows packed at
@@ -19,12 +19,10 @@ finishes that request alone (finish reason "error", ``Request.error`` says why, 
 its own generator). Only a failure of the batched decode forward, which no one request owns, fails the requests
 decoding in it.
 
-``generate_batch`` (behind ``model.generate``) runs a fixed batch on the same slot decoder and decode step, with
+``generate_batch`` (behind ``zaya.serve.generate.generate``) runs a fixed batch on the same slot decoder and decode step, with
 the rows sampled together through ``decode_tokens`` and no host read per token.
 
-The engine is not thread-safe: one thread drives it (``zaya.serve.server`` runs it on a worker thread). It imports
-no model code (the model is used through ``slot_decoder``, ``config``, ``check_input_ids``), so the model package
-can use it without an import cycle.
+The engine is not thread-safe: one thread drives it (``zaya.serve.server`` runs it on a worker thread).
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from zaya.model.slots import SlotDecoder
 from zaya.serve.request import Request, TokenLogprob
 from zaya.serve.sampling import SamplingParams, apply_repetition_penalty, decode_tokens, sample_next
 from zaya.serve.text import TextStream
@@ -73,7 +72,7 @@ class Engine:
         self.model = model
         self.capacity = capacity or model.config.max_seq_len
         self.num_slots = num_slots
-        self.decoder = model.slot_decoder(num_slots, self.capacity)
+        self.decoder = SlotDecoder(model, num_slots, self.capacity)
         self.device = self.decoder.device
         self.vocab_size = model.config.vocab_size
         self.prefill_chunk = prefill_chunk
@@ -340,7 +339,7 @@ class Engine:
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                        attention_mask: torch.Tensor | None = None,
                        eos_token_id: int | None = None) -> torch.Tensor:
-        """``model.generate``: the rows of ``input_ids`` [B, T] (left-padded where ``attention_mask`` has zeros) on
+        """``zaya.serve.generate.generate``: the rows of ``input_ids`` [B, T] (left-padded where ``attention_mask`` has zeros) on
         slots 0..B-1, prefilled (together when unpadded, else each row's own tokens), then decoded by the engine's
         decode step with every row at its own position, sampled together by ``decode_tokens`` (one generator for
         the batch). Host reads: one for a mask (its lengths), then only ``decode_tokens``' eos checks."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 
 DEFAULT_MAX_MODEL_LEN = 8192
 """``--max-model-len``'s default cap: every slot holds its whole context (KV cache) from the start, so the model's

@@ -1,7 +1,7 @@
 """Choosing the next token: the sampling options, their checks, ``sample_next`` and the fixed-batch sampling loop.
 
 One implementation for every decoder: the serving engine (``zaya.serve.engine``), ``model.generate`` (which runs on
-that engine) and tree-parallel decoding (``zaya.dist.tree_decoding``, through ``decode_tokens``) all sample here, so
+that engine) and tree-parallel decoding (``zaya.serve.tree``, through ``decode_tokens``) all sample here, so
 a seed gives the same tokens whichever of them runs it. ``zaya.model.zaya`` re-exports these names.
 
 This module is below the model in the package layering (it imports no model code), so the model can use it.
@@ -107,7 +107,7 @@ def decode_tokens(prompt: torch.Tensor, logits: torch.Tensor, step: Callable[[to
                   top_p: float | None = None, seed: int | None = None, eos_token_id: int | None = None,
                   share: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The fixed-batch sampling loop: ``model.generate`` (on the engine's slot decoder) and a decoder whose cache
-    lives elsewhere (``zaya.dist.tree_decoding``) sample through it, so both give the same tokens.
+    lives elsewhere (``zaya.serve.tree``) sample through it, so both give the same tokens.
 
     prompt: [B, T]; logits: [B, V] the next-token logits after it; ``step(token [B])`` feeds one token per row and
     returns the next logits. ``share(token)``, if given, returns the token every process is to use (a broadcast:

@@ -34,7 +34,7 @@ from typing import AsyncIterator, Callable
 from starlette.requests import Request as HTTPRequest
 
 from zaya.data.tokenizer import TokenizerFailure
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 from zaya.model.slots import SlotMemoryError
 from zaya.serve.api import APIError, ChatRequest, CompletionRequest, describe_validation_error, error_body
 from zaya.serve.gate import Gate, exposure_warning

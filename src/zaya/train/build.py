@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from zaya.config import Config
-from zaya.dist.parallel import Parallel, wrap
-from zaya.dist.runtime import Runtime
+from zaya.distributed.parallel import Parallel, wrap
+from zaya.distributed.runtime import Runtime
 
 
 def resolve_datasets(config: Config, rt: Runtime, say: Callable[[str], None]) -> dict:
@@ -26,7 +26,7 @@ def resolve_datasets(config: Config, rt: Runtime, say: Callable[[str], None]) ->
     from zaya.data.bundle import PreparedDataset
     from zaya.data.cache import resolve_dataset
     from zaya.data.loader import check_vocabulary
-    from zaya.dist.shared_fs import check_same_datasets
+    from zaya.distributed.shared_fs import check_same_datasets
 
     dc, mc = config.data, config.model
     first = rt.is_local_main if dc.node_local else rt.is_main
@@ -87,10 +87,10 @@ def build_model(config: Config, rt: Runtime) -> Parallel:
 
 def install_sequence_seam(model, config: Config, rt: Runtime) -> None:
     """Under context parallelism (cp > 1), the seam through which the model's attention reaches the other cp
-    ranks' tokens (``zaya.dist.context_parallel``); nothing otherwise."""
+    ranks' tokens (``zaya.distributed.context_parallel``); nothing otherwise."""
     if rt.cp_size == 1:
         return
-    from zaya.dist.context_parallel import ContextParallelSequence, CPGroup
+    from zaya.distributed.context_parallel import ContextParallelSequence, CPGroup
 
     cp = CPGroup(rt.cp_group, rt.cp_rank, rt.cp_size)
     model.set_sequence_seam(ContextParallelSequence(cp, config.train.context_parallel_method))

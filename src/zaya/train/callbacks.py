@@ -149,7 +149,9 @@ class Sample(Callback):
         model.eval()
         try:
             with torch.no_grad(), trainer.autocast(), trainer.full_sequences():
-                out = model.generate(prompt, max_new_tokens=self.tokens, temperature=0.8, top_k=40, seed=self.seed)
+                from zaya.serve.generate import generate
+
+                out = generate(model, prompt, max_new_tokens=self.tokens, temperature=0.8, top_k=40, seed=self.seed)
         finally:
             model.train()
         sample = tokenizer.decode(out[0, 1:].tolist())

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from zaya.errors import writing
-from zaya.tune.profile import DATASHEET_PEAK_FLOPS, load_profile
+from zaya.core.errors import writing
+from zaya.core.hardware import DATASHEET_PEAK_FLOPS, load_profile
 
 RUN_DIR_ELSEWHERE = "point train.run_dir (--run-dir) elsewhere"
 """The fix a full disk under the run directory names, beside freeing space."""

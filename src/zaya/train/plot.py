@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from zaya.fsutil import atomic_write_bytes, loads_json
+from zaya.core.fsutil import atomic_write_bytes, loads_json
 
 METRICS_FILE = "metrics.jsonl"
 PLOTS_SUBDIR = "plots"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from zaya.config import Config, config_differences, dump_config, load_config
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 from zaya.train.run_lock import LOCK_FILES, RunLock, lock_run_dir
 
 CONFIG_FILE = "config.toml"

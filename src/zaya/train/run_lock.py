@@ -35,8 +35,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from zaya.errors import ConfigError
-from zaya.fsutil import loads_json
+from zaya.core.errors import ConfigError
+from zaya.core.fsutil import loads_json
 
 JOB_LOCK = "job.lock"
 RANK0_LOCK = "rank0.lock"

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from zaya.config import Config, to_dict
-from zaya.device import autocast
-from zaya.dist.runtime import Runtime, collective_error, start, stop
-from zaya.errors import CheckpointError, NonFiniteLossError, disk_full, exit_code_of, writing
+from zaya.core.device import autocast
+from zaya.distributed.runtime import Runtime, collective_error, start, stop
+from zaya.core.errors import CheckpointError, NonFiniteLossError, disk_full, exit_code_of, writing
 from zaya.model import update_balancing_biases
 from zaya.model.router import routers_of
 from zaya.optim.build import peak_lrs, set_lr
@@ -386,7 +386,7 @@ class Trainer:
     def _local_tokens(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(input ids, labels, position ids) of this rank on its device: under context parallelism its zigzag
         chunks, with their global positions (cut on the host: no device work, no read)."""
-        from zaya.dist.context_parallel import shard
+        from zaya.distributed.context_parallel import shard
 
         rt = self.runtime
         inputs, labels, positions = batch.input_ids, batch.labels, batch.position_ids
@@ -511,7 +511,7 @@ class Trainer:
 def _prepare_run_dir(config: Config, rt: Runtime, run_dir: Path, resume: str, say) -> RunLock | None:
     """Rank 0 takes the run directory (its lock: one job per run directory) and prepares it; then every rank must
     see it (a marker file). Returns rank 0's lock (None on the other ranks)."""
-    from zaya.dist.shared_fs import check_shared_directory
+    from zaya.distributed.shared_fs import check_shared_directory
 
     error, lock = None, None
     if rt.is_main:
@@ -562,7 +562,7 @@ def _clip(params, max_norm: float) -> torch.Tensor:
 
 def train(config: Config, resume: str = "auto", callbacks: list[Callback] | None = None) -> dict[str, Any]:
     """Run training as configured (one process, or one rank under torchrun); returns the summary."""
-    from zaya.dist.checks import ExplicitDevices
+    from zaya.distributed.checks import ExplicitDevices
 
     tc = config.train
     rt = start(tc.timeout_s, tc.startup_timeout_s, tc.device, cp_size=tc.context_parallel)

@@ -81,7 +81,7 @@ def _loss_chunks(tokens: int, vocab: int) -> Iterator[None]:
     a bigger chunk over-states the peak by a few times (trace chunk - real chunk) x 4 bytes: at most about
     tokens x vocab / 8 bytes, under 0.2 % of any peak that includes the tokens' logits (tokens x vocab x 2 or 4)."""
     from zaya.model import loss
-    from zaya.tune.profile import load_profile
+    from zaya.core.hardware import load_profile
 
     real = loss.CHUNK_ELEMENTS or load_profile(torch.device("cpu")).loss_chunk_elements
     saved = loss.CHUNK_ELEMENTS

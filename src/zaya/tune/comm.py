@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -505,7 +505,7 @@ def _time(call: Callable[[], None], group: Any, device: Any, repeats: int, warmu
     import torch
     import torch.distributed as dist
 
-    from zaya.device import synchronize
+    from zaya.core.device import synchronize
 
     for _ in range(warmup):
         call()
@@ -614,7 +614,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from zaya.fsutil import atomic_write_bytes
+    from zaya.core.fsutil import atomic_write_bytes
 
     ops = [op for op in OPS if any(r["op"] == op and r.get("time_s") for r in rows)]
     fig = Figure(figsize=(3.2 * len(ops), 3.2), layout="constrained")
@@ -663,7 +663,7 @@ def finish(opts: Options, rows: list[dict[str, Any]], world: int, per_node: int,
     """Rank 0: the recommendation and the result dict; the JSON and PNG written to ``opts.out``."""
     import torch
 
-    from zaya.tune.profile import device_key
+    from zaya.core.hardware import device_key
 
     model = opts.model
     memory = None
@@ -697,7 +697,7 @@ def save(opts: Options, result: dict[str, Any], device: Any) -> str | None:
     """Local rank 0 of every node: write the recommendation into this device's hardware profile."""
     if not opts.save:
         return None
-    from zaya.tune.profile import update_profile
+    from zaya.core.hardware import update_profile
 
     rec = result["recommendation"]
     values: dict[str, Any] = {"ddp_bucket_mb": rec["ddp_bucket_mb"], "comm": summary(result)}
@@ -707,7 +707,7 @@ def save(opts: Options, result: dict[str, Any], device: Any) -> str | None:
 
 
 def write_json(result: dict[str, Any]) -> None:
-    from zaya.fsutil import atomic_write_text
+    from zaya.core.fsutil import atomic_write_text
 
     atomic_write_text(result["files"][0], json.dumps(result, indent=1) + "\n")
 
@@ -789,7 +789,7 @@ def under_torchrun(args: argparse.Namespace) -> tuple[dict[str, Any] | None, Opt
     import torch
     import torch.distributed as dist
 
-    from zaya.dist.runtime import start
+    from zaya.distributed.runtime import start
 
     world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     opts = options_from_args(args, world=world, per_node=per_node)
@@ -816,7 +816,7 @@ def under_torchrun(args: argparse.Namespace) -> tuple[dict[str, Any] | None, Opt
 
 def run(args: argparse.Namespace) -> int:
     """``zaya tune comm``: measure, print the table and the recommendations, save them; 0 when done."""
-    from zaya.dist.runtime import launched_by_torchrun
+    from zaya.distributed.runtime import launched_by_torchrun
 
     if launched_by_torchrun():
         result, opts = under_torchrun(args)

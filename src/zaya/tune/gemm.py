@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 SHORT = {"bfloat16": "bf16", "float32": "fp32"}
@@ -330,7 +330,7 @@ def _timer(device: Any) -> Callable[[Callable[[], Any], int], float]:
 def time_call(fn: Callable[[], Any], device: Any, timing: Timing) -> tuple[float, int, int, float | None]:
     """(median seconds per call, samples, calls per sample, spread = (slowest - fastest) / median, None for one
     sample) of ``fn`` after one warm-up call."""
-    from zaya.device import synchronize
+    from zaya.core.device import synchronize
 
     run = _timer(device)
     fn()
@@ -818,7 +818,7 @@ def plot(result: dict[str, Any], dtype: str, path: Path, title: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from zaya.fsutil import atomic_write_bytes
+    from zaya.core.fsutil import atomic_write_bytes
 
     grid = _grid(result, dtype)
     unit, scale = _unit(c["tflops"] or 0 for k in grid.values() for row in k.values() for c in row.values())
@@ -973,7 +973,7 @@ def _command() -> str:
 
 def _from_saved(path: str) -> tuple[dict[str, Any], Any, Any]:
     from zaya.config import TrainConfig, model_config_from_dict
-    from zaya.fsutil import read_json
+    from zaya.core.fsutil import read_json
 
     p = Path(path)
     try:
@@ -1008,8 +1008,8 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         from zaya.config import to_dict
-        from zaya.device import resolve_device
-        from zaya.tune.profile import device_key, device_name
+        from zaya.core.device import resolve_device
+        from zaya.core.hardware import device_key, device_name
 
         device = resolve_device(opts.device)
         config, source = _load_config(opts.config, device.type)
@@ -1036,13 +1036,13 @@ def run(args: argparse.Namespace) -> int:
                                           f"achieved throughput ({_what(result)})")
                 files.append(str(path))
         if opts.save:
-            from zaya.tune.profile import load_profile, update_profile
+            from zaya.core.hardware import load_profile, update_profile
 
             peaks = dict(load_profile(device, refresh=True).peak_flops)
             if not opts.quick:  # a smoke test's small square GEMM is no peak to measure MFU against
                 peaks.update({d: p["flops"] for d, p in result["peak"].items() if p.get("flops")})
             result["profile"] = str(update_profile(device, peak_flops=peaks, gemm=summary(result)))
-        from zaya.fsutil import atomic_write_text
+        from zaya.core.fsutil import atomic_write_text
 
         result["files"] = [result["json"], *files]
         atomic_write_text(result["json"], json.dumps(result, indent=1) + "\n")

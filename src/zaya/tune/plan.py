@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from zaya.config import Config, load_config
-from zaya.errors import ConfigError
-from zaya.fsutil import loads_json
+from zaya.core.errors import ConfigError
+from zaya.core.fsutil import loads_json
 
 MODES = ("ddp", "zero1", "fsdp")
 GIB = 2 ** 30
@@ -78,7 +78,7 @@ class Sizes:
 @functools.lru_cache(maxsize=32)
 def _model_sizes(model_key: str, ranks: int) -> Sizes:
     from zaya.config import model_config_from_dict
-    from zaya.dist.parallel import assign_owners
+    from zaya.distributed.parallel import assign_owners
     from zaya.model import ZayaForCausalLM
     from zaya.optim.build import split_parameters
     from zaya.optim.newton_schulz import BATCH_ELEMENTS
@@ -156,7 +156,7 @@ def memory_plan(config: Config, *, gpus: int, parallel: str, micro_batch: int, s
     if gpus % cp:
         raise ConfigError(f"--gpus {gpus} is not a multiple of context parallel {cp}")
     from zaya.config import to_dict
-    from zaya.tune.profile import load_profile
+    from zaya.core.hardware import load_profile
 
     mc, dtype = config.model, config.train.dtype
     dp = gpus // cp
@@ -343,7 +343,7 @@ def checkpoint_bytes(sizes: Sizes) -> dict[str, int]:
 def plan(config: Config, hw: Hardware, *, modes: tuple[str, ...] = MODES, ac_options: tuple[bool, ...] = (False, True),
          cp_options: tuple[int, ...] | None = None, last_stage_tokens: int | None = None) -> dict[str, Any]:
     """The whole plan as a JSON-ready dict (``zaya plan --json`` prints it)."""
-    from zaya.tune.profile import load_profile
+    from zaya.core.hardware import load_profile
 
     if hw.gpus < 1:
         raise ConfigError(f"--gpus {hw.gpus}: must be at least 1")

@@ -58,9 +58,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from zaya.dist.runtime import Runtime
+from zaya.distributed.runtime import Runtime
 from zaya.model.attention import AttentionCache, SequenceSeam
-from zaya.model.zaya import DecodeState, ZayaForCausalLM, check_sampling, decode_tokens
+from zaya.model.zaya import DecodeState, ZayaForCausalLM
+from zaya.serve.sampling import check_sampling, decode_tokens
 
 METHODS = ("tree", "butterfly", "ring", "ring-partials")
 EMPTY_LSE = -torch.finfo(torch.float32).max

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from zaya.errors import ConfigError
-from zaya.fsutil import atomic_write_text, cache_root, read_json
+from zaya.core.errors import ConfigError
+from zaya.core.fsutil import atomic_write_text, cache_root, read_json
 
 PROFILE_VERSION = 1
 PROFILE_ENV = "ZAYA_HARDWARE_PROFILE"

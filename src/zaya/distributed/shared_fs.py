@@ -16,8 +16,8 @@ import os
 import uuid
 from pathlib import Path
 
-from zaya.dist.runtime import Runtime
-from zaya.errors import ConfigError, DataError
+from zaya.distributed.runtime import Runtime
+from zaya.core.errors import ConfigError, DataError
 
 MARKER_PREFIX = ".zaya-shared-check-"
 

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from zaya.config import zigzag_length_problem
-from zaya.device import backward_without_autocast
+from zaya.core.device import backward_without_autocast
 from zaya.model.attention import SequenceSeam, document_mask
 
 METHODS = ("ring", "allgather")

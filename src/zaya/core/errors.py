@@ -121,7 +121,7 @@ def writing(directory: str | Path, what: str, elsewhere: str = "") -> Iterator[N
 
 
 class CollectiveError(ZayaError, RuntimeError):
-    """A collective timed out or a peer rank went away (see ``zaya.dist.runtime.collective_error``)."""
+    """A collective timed out or a peer rank went away (see ``zaya.distributed.runtime.collective_error``)."""
 
     exit_code = COLLECTIVE_ERROR
 

@@ -13,7 +13,7 @@ different tokens of the same sequences, so their gradients are averaged like dat
   sharded DTensors. With bf16 training the parameters are all-gathered and computed in bf16 and gradients
   reduce-scattered in fp32 (``MixedPrecisionPolicy``); the sharded fp32 master weights stay fp32.
 
-The collective settings come from this device's hardware profile (``zaya.tune.profile``; written by ``zaya tune
+The collective settings come from this device's hardware profile (``zaya.core.hardware``; written by ``zaya tune
 comm``, defaults otherwise): DDP's and ZeRO-1's gradient bucket size (``bucket_cap_mb``) and FSDP2's
 ``reshard_after_forward`` for each block. ``Parallel.describe()`` names them and where they came from (the trainer's
 start-up line).
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zaya.dist.runtime import Runtime
-from zaya.tune.profile import load_profile
+from zaya.distributed.runtime import Runtime
+from zaya.core.hardware import load_profile
 
 MODES = ("ddp", "zero1", "fsdp")
 

@@ -13,7 +13,7 @@ from typing import Callable, ContextManager
 
 import torch
 
-from zaya.errors import ConfigError
+from zaya.core.errors import ConfigError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 

@@ -7,7 +7,7 @@ collectives use a long one (ZAYA1 raised it so that short network stalls don't k
 
 **Mesh.** The ranks form a named device mesh ``("dp", "cp")``: data parallel (DDP / ZeRO-1 / FSDP2 replicate or
 shard over "dp", and the data loader splits batches by the dp rank) and context parallel (ranks of one "cp" group
-share a batch and split its sequence: ``zaya.dist.context_parallel``). Ranks are laid out cp-fastest, so a cp
+share a batch and split its sequence: ``zaya.distributed.context_parallel``). Ranks are laid out cp-fastest, so a cp
 group sits on consecutive ranks, inside a node. Parameters are replicated (or sharded) over both dimensions: the
 gradient reduction spans the whole world (``grad_group``, ``grad_mesh``), since every rank holds different tokens.
 
@@ -16,7 +16,7 @@ NCCL group has no CPU backend, so a scalar built on the CPU would fail there ("N
 device type cpu"). Every collective checks its tensor's device, always. Work that must not share the training
 group (a checkpoint written in the background) gets a ``HostGroup`` of its own: gloo, CPU tensors only.
 ``ZAYA_STRICT_DEVICES=1`` (tests) additionally makes any tensor that zaya's own code creates without naming its
-device an error (``zaya.dist.checks``), which is how a CPU test catches what would break on a GPU.
+device an error (``zaya.distributed.checks``), which is how a CPU test catches what would break on a GPU.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zaya.device import resolve_device
-from zaya.errors import CollectiveError, ConfigError
+from zaya.core.device import resolve_device
+from zaya.core.errors import CollectiveError, ConfigError
 
 STRICT_ENV = "ZAYA_STRICT_DEVICES"
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -107,7 +107,7 @@ class Runtime:
     """``DeviceMesh`` with dims ("dp", "cp") when distributed, else None."""
     local_world_size: int = 1
     strict: bool = False
-    """Strict device mode (``ZAYA_STRICT_DEVICES=1``): see ``zaya.dist.checks.ExplicitDevices``."""
+    """Strict device mode (``ZAYA_STRICT_DEVICES=1``): see ``zaya.distributed.checks.ExplicitDevices``."""
     timeout_s: float = 1800.0
     hostname: str = field(default_factory=socket.gethostname)
 
@@ -221,7 +221,7 @@ class Runtime:
         """Collective: if any rank failed (``error`` on that rank), raise on every rank, so that none waits in a
         later collective for a rank that has given up. The failing rank raises its own error; the others an error
         with the same exit code that names it."""
-        from zaya.errors import error_for_code, exit_code_of
+        from zaya.core.errors import error_for_code, exit_code_of
 
         if not self.distributed:
             if error is not None:
