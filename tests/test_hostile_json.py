@@ -57,7 +57,7 @@ def test_ram_tier_info_and_owner_records_nested_deep_are_no_copy_and_no_ended_ru
 
 
 def test_tune_files_nested_deep_are_config_errors_naming_them(tmp_path):
-    from zaya.tune.gemm import _from_saved
+    from zaya.tune.gemm.command import _from_saved
     from zaya.tune.plan import mfu_from_metrics
     from zaya.core.hardware import read_profile
 

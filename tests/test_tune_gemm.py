@@ -22,7 +22,10 @@ from zaya.model.info import forward_flops_per_token, model_info
 from zaya.optim import newton_schulz as ns
 from zaya.train.metrics import device_peak_flops
 from zaya.core import hardware as profile
-from zaya.tune import gemm
+from zaya.core import units
+from zaya.tune.gemm import command, options, predict, recommend, sweep, timing
+from zaya.tune.gemm import shapes as gemm_shapes
+from zaya.tune.gemm import text as gemm_text
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -31,7 +34,7 @@ CPU = torch.device("cpu")
 
 def args(*argv):
     p = argparse.ArgumentParser()
-    gemm.add_arguments(p)
+    options.add_arguments(p)
     return p.parse_args(list(argv))
 
 
@@ -59,7 +62,7 @@ def quick_sweep(tmp_path_factory):
 
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
-            code = gemm.run(args("--quick", "--dtype", "fp32", "--config", str(TINY), "--out", str(tmp / "out"),
+            code = command.run(args("--quick", "--dtype", "fp32", "--config", str(TINY), "--out", str(tmp / "out"),
                                  "--json"))
         assert code == 0
         profile.clear_cache()
@@ -74,24 +77,24 @@ def test_model_gemms_are_the_weight_flops_of_model_info(variant):
     cfg = dataclasses.replace(load_config(TINY).model, **variant)
     info = forward_flops_per_token(cfg, context=64)
     expected = sum(info.values()) - info["attention_scores"] - info["cca_convolutions"]
-    assert sum(g.count * g.flops for g in gemm.model_gemms(cfg, 256)) == expected * 256
+    assert sum(g.count * g.flops for g in gemm_shapes.model_gemms(cfg, 256)) == expected * 256
 
 
 @pytest.mark.parametrize("shape", [{}, {"hidden_size": 320, "expert_hidden_size": 448},
                                    {"head_dim": 128, "num_query_heads": 2, "num_kv_heads": 1}])
 def test_parameter_counts_equal_model_info(shape):
     cfg = dataclasses.replace(load_config(TINY).model, **shape)
-    counts = gemm.ParamCounter(cfg).counts(cfg)
+    counts = predict.ParamCounter(cfg).counts(cfg)
     info = model_info(cfg)
     assert counts == {"active": info["params_active_non_embedding"], "total": info["params_non_embedding"]}
 
 
 def test_scaled_widths_keep_the_config_rules():
     cfg = ModelConfig()  # ZAYA1-base: 2048 wide, 8/2 heads of 128, experts 2048
-    assert gemm.default_widths(cfg) == [1024, 1536, 2048, 2560, 3072, 4096]
-    c = gemm.scaled(cfg, 3072)
+    assert gemm_shapes.default_widths(cfg) == [1024, 1536, 2048, 2560, 3072, 4096]
+    c = gemm_shapes.scaled(cfg, 3072)
     assert (c.num_query_heads, c.num_kv_heads, c.head_dim, c.expert_hidden_size) == (12, 3, 128, 3072)
-    assert gemm.scaled(cfg, 2048) == cfg
+    assert gemm_shapes.scaled(cfg, 2048) == cfg
 
 
 # -------------------------------------------------------------------------------------------------- the sweep
@@ -102,7 +105,7 @@ def test_quick_sweep_measures_every_kind_consistently(quick_sweep):
     rows = result["measurements"]
     assert {r["kind"] for r in rows} == {"qkv", "o", "router_down", "router_mlp", "router_out", "experts_gate_up",
                                          "experts_down", "lm_head"}
-    assert {r["tokens"] for r in rows} == set(gemm.QUICK_TOKENS) and result["widths"] == [128, 256]
+    assert {r["tokens"] for r in rows} == set(gemm_shapes.QUICK_TOKENS) and result["widths"] == [128, 256]
     for r in rows:
         assert r["seconds"] > 0 and r["tflops"] > 0 and r["samples"] >= 3
         assert r["tflops"] == pytest.approx(2 * r["m"] * r["n"] * r["k"] / r["seconds"] / 1e12)
@@ -136,13 +139,13 @@ def test_recommendation_is_within_the_budget(quick_sweep):
     assert rec["ranked"] and all(abs(r["params_active"] / own - 1) <= 0.1 for r in rec["ranked"])
     assert all(1 <= r["expert_hidden_size"] / r["hidden_size"] <= 4 for r in rec["ranked"])  # tiny's 2, x/ 2
     assert [r["score"] for r in rec["ranked"]] == sorted(r["score"] for r in rec["ranked"])
-    assert rec["best"]["micro_batch_tokens"] in gemm.QUICK_TOKENS and rec["why"]
+    assert rec["best"]["micro_batch_tokens"] in gemm_shapes.QUICK_TOKENS and rec["why"]
 
 
 def test_from_saved_sweep_reranks_for_another_budget(quick_sweep, private_profile, capsys):
     _, out, _ = quick_sweep
     saved = next(out.glob("gemm-*.json"))
-    assert gemm.run(args("--from", str(saved), "--budget", "3.2M", "--budget-of", "active", "--tolerance", "5%",
+    assert command.run(args("--from", str(saved), "--budget", "3.2M", "--budget-of", "active", "--tolerance", "5%",
                          "--json")) == 0
     rec = json.loads(capsys.readouterr().out)["recommendation"]["float32"]
     assert rec["budget"] == 3_200_000 and rec["ranked"]
@@ -152,7 +155,7 @@ def test_from_saved_sweep_reranks_for_another_budget(quick_sweep, private_profil
 
 def test_report_prints_table_and_recommendation(quick_sweep):
     result, _, _ = quick_sweep
-    text = gemm.report(result)
+    text = gemm_text.report(result)
     assert "fp32 GEMM throughput (forward), GFLOP/s" in text or "TFLOP/s, by tokens" in text
     assert "experts_gate_up" in text and "Recommended shapes (fp32" in text and "why:" in text
     assert "not measured by this command" in text
@@ -164,27 +167,27 @@ def test_report_prints_table_and_recommendation(quick_sweep):
 def test_rate_model_interpolates_in_log_space_and_flags_extrapolation():
     rows = [{"kind": "qkv", "pass": "fwd", "m": m, "n": s, "k": s, "tflops": t}
             for m, s, t in ((100, 100, 1.0), (10000, 100, 3.0), (100, 400, 2.0), (10000, 400, 4.0))]
-    model = gemm.RateModel(rows)
+    model = predict.RateModel(rows)
     assert model.rate("qkv", "fwd", 1000, 200, 200) == (pytest.approx(2.5e12), False)
     assert model.rate("qkv", "fwd", 10**6, 100, 100) == (pytest.approx(3e12), True)  # clamped
-    assert gemm.saturation([(256, 1.0), (1024, 1.85), (4096, 2.0)]) == (1024, 2.0)
+    assert recommend.saturation([(256, 1.0), (1024, 1.85), (4096, 2.0)]) == (1024, 2.0)
 
 
 def test_recommend_prefers_the_shape_the_device_runs_faster():
     cfg = load_config(TINY).model
     widths, tokens = [192, 256, 320], [256, 1024]
     rows = []
-    for w, g in gemm.swept_gemms(cfg, widths, tokens):
+    for w, g in gemm_shapes.swept_gemms(cfg, widths, tokens):
         rate = 1e-3 * (2.0 if w == 320 else 1.0)  # TFLOP/s: the widest GEMMs twice as fast
         rows.append({"dtype": "float32", "kind": g.kind, "pass": "fwd", "m": g.m, "n": g.n, "k": g.k,
                      "tflops": rate, "spread": 0.01})
     result = {"measurements": rows, "tokens": tokens, "widths": widths}
-    own = gemm.ParamCounter(cfg).counts(cfg)["total"]
-    rec = gemm.recommend(result, cfg, None, "total", 0.1, 2048, 128, "float32")
+    own = predict.ParamCounter(cfg).counts(cfg)["total"]
+    rec = recommend.recommend(result, cfg, None, "total", 0.1, 2048, 128, "float32")
     assert rec["budget"] == own
     assert rec["best"]["hidden_size"] == 320 and 0.2 < rec["best"]["vs_config"] <= 1.0
     assert abs(rec["best"]["params_total"] / own - 1) <= 0.1
-    none = gemm.recommend(result, cfg, 10**5, "total", 0.1, 2048, 128, "float32")
+    none = recommend.recommend(result, cfg, 10**5, "total", 0.1, 2048, 128, "float32")
     assert none["best"] is None and "widen --widths or --tolerance" in none["why"]
 
 
@@ -200,31 +203,31 @@ def test_recommend_prefers_the_shape_the_device_runs_faster():
 ])
 def test_bad_options_are_config_errors_naming_the_option(argv, needle):
     with pytest.raises(ConfigError) as err:
-        gemm.options_from_args(args(*argv))
+        options.options_from_args(args(*argv))
     assert needle in str(err.value)
 
 
 def test_parse_count_and_tokens():
-    assert gemm.parse_count("760M", "--budget") == 760_000_000
-    assert gemm.parse_count("8.3B", "--budget") == 8_300_000_000
-    assert gemm.parse_count("1_234", "--budget") == 1234
-    assert gemm.parse_ints("4k,256,1024,256", "--tokens", "") == [256, 1024, 4096]
-    assert gemm.parse_dtypes("bf16,fp32,bfloat16") == ["bfloat16", "float32"]
+    assert units.parse_count("760M", "--budget") == 760_000_000
+    assert units.parse_count("8.3B", "--budget") == 8_300_000_000
+    assert units.parse_count("1_234", "--budget") == 1234
+    assert options.parse_ints("4k,256,1024,256", "--tokens", "") == [256, 1024, 4096]
+    assert options.parse_dtypes("bf16,fp32,bfloat16") == ["bfloat16", "float32"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
 def test_cuda_without_a_gpu_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="--device = 'cuda'"):
-        gemm.run(args("--device", "cuda", "--quick", "--out", str(tmp_path), "--no-save"))
+        command.run(args("--device", "cuda", "--quick", "--out", str(tmp_path), "--no-save"))
 
 
 def test_missing_saved_sweep_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
-        gemm.run(args("--from", str(tmp_path / "none.json")))
+        command.run(args("--from", str(tmp_path / "none.json")))
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(ConfigError, match="not a `zaya tune gemm` result"):
-        gemm.run(args("--from", str(bad)))
+        command.run(args("--from", str(bad)))
 
 
 # ------------------------------------------------------------------------ the profile and the modules reading it
@@ -302,41 +305,42 @@ def test_cli_quick_sweep(tmp_path):
 def test_dips_are_measured_again():
     cfg = load_config(TINY).model
     widths = [128, 256, 384]
-    points = gemm.swept_gemms(cfg, widths, [256, 1024])
+    points = gemm_shapes.swept_gemms(cfg, widths, [256, 1024])
     done = {g: {"fwd": {"tflops": 1.0}} for _, g in points}
     slow = next(g for w, g in points if w == 256 and g.kind == "qkv" and g.m == 1024)
     done[slow]["fwd"]["tflops"] = 0.5  # half its neighbours' rate: interference, or a slow shape
-    assert gemm.dips(points, done, widths) == [slow]
+    assert sweep.dips(points, done, widths) == [slow]
     done[slow]["fwd"]["tflops"] = 0.8  # within 75 %: left alone
-    assert gemm.dips(points, done, widths) == []
+    assert sweep.dips(points, done, widths) == []
     done[slow]["fwd"]["tflops"] = 1.0
     bigger = next(g for w, g in points if w == 256 and g.kind == "qkv" and g.m == 256)
     done[bigger]["fwd"]["tflops"] = 0.5  # slower at fewer tokens than at more: expected, not a dip ...
     one_width = [(w, g) for w, g in points if w == 256]
-    assert gemm.dips(one_width, done, [256]) == []  # ... when it has no width neighbours to compare with
+    assert sweep.dips(one_width, done, [256]) == []  # ... when it has no width neighbours to compare with
 
 
 def test_backward_gemms_have_the_model_backward_shapes():
-    for g, impls in ((gemm.Gemm("qkv", 64, 32, 16), ("mm",)),
-                     (gemm.Gemm("experts_gate_up", 64, 32, 16, groups=4), ("grouped_mm", "loop"))):
+    for g, impls in ((gemm_shapes.Gemm("qkv", 64, 32, 16), ("mm",)),
+                     (gemm_shapes.Gemm("experts_gate_up", 64, 32, 16, groups=4), ("grouped_mm", "loop"))):
         w = (32, 16) if g.groups == 1 else (4, 32, 16)
         for impl in impls:
-            shapes = {p: tuple(gemm.gemm_call(g, p, torch.float32, CPU, impl)().shape) for p in gemm.PASSES}
+            shapes = {p: tuple(timing.gemm_call(g, p, torch.float32, CPU, impl)().shape)
+                      for p in gemm_shapes.PASSES}
             assert shapes == {"fwd": (64, 32), "dgrad": (64, 16), "wgrad": w}
 
 
 def test_backward_sweep_feeds_the_prediction(tmp_path, private_profile, capsys):
-    assert gemm.run(args("--quick", "--backward", "--dtype", "fp32", "--tokens", "64", "--widths", "128",
+    assert command.run(args("--quick", "--backward", "--dtype", "fp32", "--tokens", "64", "--widths", "128",
                          "--config", str(TINY), "--out", str(tmp_path), "--no-save", "--no-plot", "--json")) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["passes"] == ["fwd", "dgrad", "wgrad"]
-    assert {r["pass"] for r in result["measurements"]} == set(gemm.PASSES)
+    assert {r["pass"] for r in result["measurements"]} == set(gemm_shapes.PASSES)
     assert result["recommendation"]["float32"]["config"]["tokens_per_s"] > 0
     assert not (private_profile / "hardware").exists() and not list(tmp_path.glob("*.png"))
 
 
 def test_a_full_sweep_writes_the_peak_that_mfu_then_uses(tmp_path, private_profile, capsys):
-    assert gemm.run(args("--dtype", "fp32", "--tokens", "64", "--widths", "128", "--repeats", "1", "--config",
+    assert command.run(args("--dtype", "fp32", "--tokens", "64", "--widths", "128", "--repeats", "1", "--config",
                          str(TINY), "--out", str(tmp_path), "--no-plot", "--json")) == 0
     result = json.loads(capsys.readouterr().out)
     peak = result["peak"]["float32"]["flops"]

@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "token counts and candidate widths; print a table, write a heatmap PNG, "
                                     "recommend hidden/expert/head sizes and the micro-batch near a parameter budget, "
                                     "and write the measured constants into this device's hardware profile.")
-    from zaya.tune import gemm as tune_gemm
+    from zaya.tune.gemm import command as tune_gemm
 
     tune_gemm.add_arguments(p)
     p.set_defaults(func=tune_gemm.run)
