@@ -15,7 +15,7 @@ The expert load of the first and of every timed step is reported.
 Timed: after the first step and one warm-up step, ``steps`` steps, each synchronised before and after; the phases
 (forward + backward, clip, optimizers, balancing) from CUDA events. MFU = 3 x forward matmul FLOPs per token
 (``zaya.model.info.forward_flops_per_token`` at context seq_len / 2, summed) x tokens/s / the device's dense bf16 peak
-(``zaya.train.metrics.device_peak_flops``). The micro-batch starts at 4 sequences of 4,096 tokens and halves on an
+(``zaya.core.hardware.device_peak_flops``). The micro-batch starts at 4 sequences of 4,096 tokens and halves on an
 out-of-memory error.
 """
 
@@ -81,7 +81,8 @@ def _run(ctx: Ctx, cfg, batch: int, seq: int, r: dict[str, Any]) -> None:
     from zaya.model import ZayaForCausalLM, update_balancing_biases
     from zaya.model.info import forward_flops_per_token
     from zaya.optim.build import split_parameters
-    from zaya.train.metrics import device_peak_flops, expert_load_stats
+    from zaya.core.hardware import device_peak_flops
+    from zaya.train.metrics import expert_load_stats
 
     dev = ctx.device
     steps = ctx.pick(10, 4, 2)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from zaya.core.metrics_file import MetricsWriter, latest_wins, parse_records, read_metrics, step_of
+from zaya.core.metrics_file import MetricsWriter, latest_wins, parse_records, read_metrics, step_of, stepped_records
 
 
 def rec(kind, step, **extra):
@@ -66,3 +66,8 @@ def test_parse_records_numbers_lines_and_step_of_takes_only_whole_steps():
     assert [(n, r) for n, _, r in parse_records(data)] == [(2, {"step": 3}), (4, {"step": 4.5})]
     assert [step_of(r) for r in ({"step": 3}, {"step": 3.0}, {"step": 4.5}, {"step": False}, {}, {"step": "3"},
                                  {"step": math.inf})] == [3, 3, None, None, None, None, None]
+
+
+def test_stepped_records_keeps_every_kind_with_a_whole_step_in_file_order():
+    data = b'{"kind": "val", "step": 2.0}\n[1]\n{"kind": "x", "step": 1}\n{"kind": "train", "step": "3"}\n'
+    assert stepped_records(data) == [{"kind": "val", "step": 2}, {"kind": "x", "step": 1}]

@@ -45,7 +45,8 @@ from zaya.aegis.policy import Decision, Policy
 from zaya.aegis.sources import GpuCounters, KernelLog, LogTail, disk_free_mb, process_status
 from zaya.aegis.standby import STANDBY_ENV, write_go
 from zaya.config import Config
-from zaya.core.fsutil import loads_json
+from zaya.core.layout import checkpoints_dir, metrics_path
+from zaya.core.metrics_file import read_metrics, stepped_records
 from zaya.train.run_lock import JOB_ENV, RunLock
 
 _RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
@@ -349,7 +350,7 @@ class Supervisor:
                 return out
 
     def _new_metrics(self) -> list[dict[str, Any]]:
-        path = self.run_dir / "metrics.jsonl"
+        path = metrics_path(self.run_dir)
         if not path.is_file():
             return []
         with open(path, "rb") as fh:
@@ -357,15 +358,7 @@ class Supervisor:
             data = fh.read()
         end = data.rfind(b"\n") + 1
         self.metrics_offset += end
-        out = []
-        for line in data[:end].splitlines():
-            try:
-                rec = loads_json(line)
-            except ValueError:
-                continue
-            if _is_record(rec):
-                out.append(rec)
-        return out
+        return stepped_records(data[:end])
 
     def _recovered(self, event: dict, beats: dict, world: int, now: float, final: bool = False) -> bool:
         """Whether every rank of the relaunch has trained past its resume step; fills in the event's figures."""
@@ -414,7 +407,7 @@ class Supervisor:
         added = add_directive(self.aegis, bad_step=finding.step, skip_steps=cfg.skip_steps, lr_cut=cfg.lr_cut,
                               lr_cut_steps=cfg.lr_cut_steps)
         limit = finding.step - 1 - cfg.rewind_steps
-        ckpts = self.run_dir / "checkpoints"
+        ckpts = checkpoints_dir(self.run_dir)
         older = [p for p in list_checkpoints(ckpts) if int(STEP_DIR.match(p.name).group(1)) <= limit]
         what = f"rewind to step <= {limit}, directives {added or 'already recorded'}"
         if older:
@@ -549,22 +542,9 @@ def _kill_tree(proc: subprocess.Popen, also: Sequence[psutil.Process] = ()) -> N
 
 
 def productive_seconds(run_dir: Path) -> float:
-    """The kept timeline's step time: for each step the last record of it in metrics.jsonl (a redone step counts
-    once, as its final version), summed."""
-    path = Path(run_dir) / "metrics.jsonl"
-    steps: dict[int, float] = {}
-    for line in path.read_bytes().splitlines() if path.is_file() else []:
-        try:
-            rec = loads_json(line)
-        except ValueError:
-            continue
-        if _is_record(rec) and rec.get("kind") == "train" and isinstance(rec.get("step_time_s"), float) \
-                and math.isfinite(rec["step_time_s"]):
-            steps[rec["step"]] = rec["step_time_s"]
-    return sum(steps.values())
-
-
-def _is_record(rec: Any) -> bool:
-    """A metrics.jsonl record the detectors and the figures can use: an object whose step is an int (a line of
-    another kind is skipped, as a torn one is)."""
-    return isinstance(rec, dict) and isinstance(rec.get("step"), int) and not isinstance(rec["step"], bool)
+    """The kept timeline's step time: the step times of the train records a resumed run's later ones did not
+    supersede (a redone step counts once, as its final version), summed."""
+    path = metrics_path(run_dir)
+    train = read_metrics(path, kinds=("train",))["train"] if path.is_file() else []
+    return sum(r["step_time_s"] for r in train if isinstance(r.get("step_time_s"), float)
+               and math.isfinite(r["step_time_s"]))

@@ -1,4 +1,4 @@
-"""Which device a command runs on, and the autocast context for it.
+"""Which device a command runs on, the autocast context for it, and the one map from dtype names to torch dtypes.
 
 Every command and benchmark takes ``--device`` (``train.device`` for training): ``auto`` (the default) is the
 best available, a GPU when torch sees one (CUDA, or ROCm, which answers to the same name) and the CPU otherwise.
@@ -16,6 +16,9 @@ import torch
 from zaya.core.errors import ConfigError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
+SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+"""The short names options and reports also use, by torch's name of the dtype (the one configs use)."""
+_LONG_NAMES = {short: name for name, short in SHORT_NAMES.items()}
 
 
 def resolve_device(spec: str = "auto", local_rank: int = 0, what: str = "--device") -> torch.device:
@@ -41,6 +44,29 @@ def resolve_device(spec: str = "auto", local_rank: int = 0, what: str = "--devic
     if device.type not in ("cpu", "mps"):
         raise ConfigError(f"{what} = {spec!r}: zaya runs on cpu, cuda (NVIDIA or AMD ROCm) or mps")
     return device
+
+
+def to_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The torch dtype ``dtype`` names: a torch.dtype as it is, or a name such as "bfloat16", "torch.bfloat16",
+    "bf16", "int64". ValueError for a name that is not a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    found = getattr(torch, _LONG_NAMES.get(name, name), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"{dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
+    return found
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """torch's name of a dtype, as configs and files write it: torch.bfloat16 or "bf16" -> "bfloat16"."""
+    return str(to_dtype(dtype)).removeprefix("torch.")
+
+
+def short_name(dtype: torch.dtype | str) -> str:
+    """The short name reports use: "bf16", "fp32", "fp16" (another dtype by its own name)."""
+    name = dtype_name(dtype)
+    return SHORT_NAMES.get(name, name)
 
 
 def autocast(device: torch.device, dtype: str) -> ContextManager:

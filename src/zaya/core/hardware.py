@@ -1,4 +1,5 @@
-"""One hardware profile per device: the measured constants zaya tunes itself by, in one file.
+"""One hardware profile per device: the measured constants zaya tunes itself by, in one file; and the device's
+peak FLOP/s that MFU is measured against (``device_peak_flops``).
 
 Constants that depend on the machine (the Newton-Schulz block size on CPU, the row chunk of the fused
 cross-entropy, the peak FLOP/s MFU is measured against, the DDP gradient bucket size) used to live as literals in
@@ -20,12 +21,14 @@ import json
 import os
 import platform
 import re
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from zaya.core.device import dtype_name, short_name, synchronize, to_dtype
 from zaya.core.errors import ConfigError
 from zaya.core.fsutil import atomic_write_text, cache_root, read_json
 
@@ -212,3 +215,42 @@ def update_profile(device: torch.device | str, cache_dir: str | Path | None = No
     data.pop("path")
     data.update(values)
     return save_profile(HardwareProfile(**data), device, cache_dir)
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 1024,
+                        seconds: float = 0.5) -> float:
+    """FLOP/s of a square ``dtype`` matmul on ``device``, the best of a few timed windows (our 'peak')."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    flops = 2 * size**3
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    torch.mm(a, b)
+    while time.perf_counter() < deadline or best == 0.0:
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        synchronize(device)
+        best = max(best, 4 * flops / (time.perf_counter() - start))
+    return best
+
+
+def device_peak_flops(device: torch.device, configured: float = 0.0,
+                      dtype: torch.dtype | str = torch.bfloat16) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from), for training in ``dtype``: the config's ``train.peak_flops``, else the
+    peak ``zaya tune gemm`` measured for ``dtype`` (the device's hardware profile), else a known GPU's datasheet
+    (dense bf16), else a quick measurement."""
+    if configured > 0:
+        return configured, "train.peak_flops"
+    dtype = to_dtype(dtype)
+    name = dtype_name(dtype)
+    profile = load_profile(device)
+    if profile.peak_flops.get(name, 0) > 0:
+        return float(profile.peak_flops[name]), f"measured {name} peak, hardware profile {profile.path}"
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+        for key, peak in DATASHEET_PEAK_FLOPS.items():
+            if key in gpu:
+                return peak, f"{gpu} datasheet (dense bf16)"
+    return measure_matmul_peak(device, dtype), f"measured {short_name(dtype)} matmul on {device.type}"

@@ -6,7 +6,7 @@
     <run_dir>/checkpoints/      training checkpoints, one step-NNNNNNNN/ each (zaya.checkpoint.store)
     <run_dir>/plots/            written at the end of a run and by ``zaya plot``
     <run_dir>/tensorboard/      TensorBoard scalars (train.tensorboard = true)
-    <run_dir>/aegis/            the supervisor's heartbeats, directives and events (zaya.aegis)
+    <run_dir>/aegis/            the supervisor's heartbeats, directives and events (zaya.aegis.env.aegis_dir)
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 PLOTS = "plots"
 TENSORBOARD = "tensorboard"
-AEGIS = "aegis"
 
 
 def metrics_path(run_dir: str | Path) -> Path:
@@ -32,7 +31,3 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 def plots_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / PLOTS
-
-
-def aegis_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / AEGIS

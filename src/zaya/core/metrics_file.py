@@ -91,6 +91,18 @@ def parse_records(data: bytes, where: str | Path = "metrics.jsonl", strict: bool
         yield index + 1, raw, record
 
 
+def stepped_records(data: bytes) -> list[dict[str, Any]]:
+    """Every record in ``data`` with an integer step (of any kind), in order, skipping any other line: what a reader
+    of a file still being written (the supervisor's tail of it) can use."""
+    out = []
+    for _, _, record in parse_records(data):
+        step = step_of(record)
+        if step is not None:
+            record["step"] = step
+            out.append(record)
+    return out
+
+
 def latest_wins(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The kept timeline of one kind's records (in file order, integer steps): a record whose step is at or below
     the one before it was written by a resumed run, and drops the earlier records from its step on."""

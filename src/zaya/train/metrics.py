@@ -1,68 +1,19 @@
-"""What a run reports: ``metrics.jsonl`` records, the live progress line, MFU and the device's peak FLOP/s.
-
-``metrics.jsonl`` holds one JSON object per line, appended and flushed as they happen (a crash loses at most the
-line being written; ``zaya plot`` skips a torn last line). Records have ``kind`` "train" (every step) or "val"
-(every ``eval_every`` steps); the fields are listed in docs/training.md.
+"""What a run reports: its ``metrics.jsonl`` records (``zaya.core.metrics_file`` writes them; the fields are listed
+in docs/training.md), optionally as TensorBoard scalars too, the experts' load figures, and the live progress line.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from zaya.core.errors import writing
-from zaya.core.hardware import DATASHEET_PEAK_FLOPS, load_profile
+from zaya.core.metrics_file import MetricsWriter
 
 RUN_DIR_ELSEWHERE = "point train.run_dir (--run-dir) elsewhere"
 """The fix a full disk under the run directory names, beside freeing space."""
-
-
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 1024,
-                        seconds: float = 0.5) -> float:
-    """FLOP/s of a square ``dtype`` matmul on ``device``, the best of a few timed windows (our 'peak')."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    flops = 2 * size**3
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    torch.mm(a, b)
-    while time.perf_counter() < deadline or best == 0.0:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(4):
-            torch.mm(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = max(best, 4 * flops / (time.perf_counter() - start))
-    return best
-
-
-def device_peak_flops(device: torch.device, configured: float = 0.0,
-                      dtype: torch.dtype | str = torch.bfloat16) -> tuple[float, str]:
-    """(peak FLOP/s, where it came from), for training in ``dtype``: the config's ``train.peak_flops``, else the
-    peak ``zaya tune gemm`` measured for ``dtype`` (the device's hardware profile), else a known GPU's datasheet
-    (dense bf16), else a quick measurement."""
-    if configured > 0:
-        return configured, "train.peak_flops"
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    name = str(dtype).removeprefix("torch.")
-    profile = load_profile(device)
-    if profile.peak_flops.get(name, 0) > 0:
-        return float(profile.peak_flops[name]), f"measured {name} peak, hardware profile {profile.path}"
-    if device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device)
-        for key, peak in DATASHEET_PEAK_FLOPS.items():
-            if key in gpu:
-                return peak, f"{gpu} datasheet (dense bf16)"
-    short = {"bfloat16": "bf16", "float32": "fp32"}.get(name, name)
-    return measure_matmul_peak(device, dtype), f"measured {short} matmul on {device.type}"
 
 
 def expert_load_stats(counts: list[list[float]], num_experts: int) -> dict[str, Any]:
@@ -90,30 +41,6 @@ def expert_load_stats(counts: list[list[float]], num_experts: int) -> dict[str, 
             "expert_load_entropy": entropy, "skip_fraction": skip}
 
 
-def _drop_torn_line(path: Path) -> None:
-    """Cut a half-written last line (a crash mid-write) so the next record starts on a line of its own."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return
-    with open(path, "rb+") as fh:
-        fh.seek(0, 2)
-        size = fh.tell()
-        fh.seek(max(0, size - 1))
-        if fh.read(1) == b"\n":
-            return
-        data_end = size
-        block = 1 << 16
-        while data_end > 0:
-            start = max(0, data_end - block)
-            fh.seek(start)
-            chunk = fh.read(data_end - start)
-            cut = chunk.rfind(b"\n")
-            if cut >= 0:
-                fh.truncate(start + cut + 1)
-                return
-            data_end = start
-        fh.truncate(0)
-
-
 class MetricsLog:
     """Appends records to ``metrics.jsonl`` (rank 0 only) and, optionally, TensorBoard scalars. A full disk is a
     DiskFullError (exit 5) naming the file: a run whose record cannot be kept stops instead of losing it."""
@@ -121,11 +48,10 @@ class MetricsLog:
     def __init__(self, path: Path, enabled: bool, tensorboard_dir: Path | None = None):
         self.path = path
         self.enabled = enabled
-        self._fh = None
+        self._file = None
         if enabled:
             with self._writing():
-                _drop_torn_line(path)
-                self._fh = open(path, "a", encoding="utf-8")
+                self._file = MetricsWriter(path)
         self._tb = None
         if enabled and tensorboard_dir is not None:
             try:
@@ -142,18 +68,17 @@ class MetricsLog:
         if not self.enabled:
             return
         with self._writing():
-            self._fh.write(json.dumps(record, allow_nan=True) + "\n")
-            self._fh.flush()
+            self._file.write(record)
         if self._tb is not None:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key not in ("step", "time"):
                     self._tb.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
     def close(self) -> None:
-        if self._fh is not None:
-            fh, self._fh = self._fh, None
+        if self._file is not None:
+            file, self._file = self._file, None
             try:
-                fh.close()
+                file.close()
             except OSError:  # what it still held could not be written: write() has raised that already
                 pass
         if self._tb is not None:

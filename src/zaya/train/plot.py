@@ -1,41 +1,33 @@
 """Plots of a training run: read ``<run_dir>/metrics.jsonl`` and write PNGs to ``<run_dir>/plots/``.
 
-The trainer appends one JSON object per line, ``{"kind": "train", ...}`` after logged steps and ``{"kind": "val",
-...}`` after evaluations. ``read_metrics`` makes that file safe to plot while a run is writing it or after it died:
-
-* an unparsable *last* line (a crash or a read mid-write) is skipped with a warning; an unparsable line anywhere else
-  is an error naming the file and line number;
-* a resumed run repeats steps: when a record's step is <= the previous step of the same kind, the earlier records of
-  that kind with step >= it are dropped, so the latest write wins;
-* lines of another ``kind`` (or none) are ignored, so the trainer may add record kinds without breaking this.
+``read_metrics`` reads the file strictly (``zaya.core.metrics_file``): a torn last line is skipped with a warning,
+any other line that is not a record is an error naming the file and line, and a resumed step's later record wins.
 
 ``plot_run`` writes ``loss.png``, ``lr.png``, ``throughput.png``, ``expert_load.png`` (the heatmap of each
 router class's share per step) and ``routing.png`` (per layer: max/mean load, its coefficient of variation, the
-load entropy, the probe's flip rate and token entropy, the skip share). It draws on Agg figures
-made here (``matplotlib.figure.Figure`` + ``FigureCanvasAgg``) and never touches pyplot, so it neither needs a
-display nor changes the backend of a program that imports it. Each PNG is rendered in memory and written atomically
-(temporary sibling, then ``os.replace``).
+load entropy, the probe's flip rate and token entropy, the skip share). It draws on Agg figures made here
+(``matplotlib.figure.Figure`` + ``FigureCanvasAgg``) and never touches pyplot, so it neither needs a display nor
+changes the backend of a program that imports it. Each PNG is written atomically.
 """
 
 from __future__ import annotations
 
 import io
 import math
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from zaya.core.fsutil import atomic_write_bytes, loads_json
+from zaya.core import metrics_file
+from zaya.core.fsutil import atomic_write_bytes
+from zaya.core.layout import metrics_path, plots_dir
+from zaya.core.units import format_count
 
-METRICS_FILE = "metrics.jsonl"
-PLOTS_SUBDIR = "plots"
 PLOT_FILES = ("loss.png", "lr.png", "throughput.png", "expert_load.png", "routing.png")
 
 _DPI = 110
 _MAX_HEATMAP_COLUMNS = 300  # time bins per expert-load panel; longer runs are averaged into this many
-_KINDS = ("train", "val")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -51,46 +43,13 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[s
     path = _metrics_path(run_dir)
     if not path.is_file():
         raise ValueError(f"no metrics file at {path} (the trainer writes it as the run goes)")
-    lines = path.read_bytes().split(b"\n")
-    last = max((i for i, line in enumerate(lines) if line.strip(b" \t\r\x00")), default=-1)
-    kept: dict[str, list[dict[str, Any]]] = {kind: [] for kind in _KINDS}
-    for index, raw in enumerate(lines[:last + 1]):
-        lineno = index + 1
-        if not raw.strip(b" \t\r\x00"):
-            continue
-        try:
-            record = loads_json(raw)
-            if not isinstance(record, dict):
-                raise ValueError(f"a JSON {type(record).__name__}, not an object")
-        except ValueError as err:  # not JSON, not UTF-8, or nested past the parser's depth
-            if index == last:
-                warnings.warn(f"{path}:{lineno}: skipped an incomplete last line (a crash or a write in progress): "
-                              f"{_clip(raw)}", stacklevel=2)
-                break
-            raise ValueError(f"{path}:{lineno}: not a JSON object ({err}): {_clip(raw)}") from None
-        kind = record.get("kind")
-        if kind not in kept:
-            continue
-        step = record.get("step")
-        if isinstance(step, float) and step.is_integer():
-            step = record["step"] = int(step)
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise ValueError(f"{path}:{lineno}: {kind} record without an integer 'step': {_clip(raw)}")
-        records = kept[kind]
-        while records and records[-1]["step"] >= step:  # a resume: the latest write supersedes
-            records.pop()
-        records.append(record)
+    kept = metrics_file.read_metrics(path, strict=True)
     return kept["train"], kept["val"]
 
 
 def _metrics_path(run_dir: str | Path) -> Path:
     path = Path(run_dir)
-    return path if path.suffix == ".jsonl" and not path.is_dir() else path / METRICS_FILE
-
-
-def _clip(raw: bytes, limit: int = 80) -> str:
-    text = raw.decode("utf-8", errors="replace")
-    return repr(text if len(text) <= limit else text[:limit] + "...")
+    return path if path.suffix == ".jsonl" and not path.is_dir() else metrics_path(path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -110,7 +69,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     run_dir = Path(run_dir)
     if out_dir is None:
         base = run_dir.parent if _metrics_path(run_dir) == run_dir else run_dir
-        out_dir = base / PLOTS_SUBDIR
+        out_dir = plots_dir(base)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -214,14 +173,7 @@ def _format_axis(ax: Any, run: _Run) -> None:
 def _count_formatter() -> Any:
     from matplotlib.ticker import FuncFormatter
 
-    return FuncFormatter(lambda value, _pos: _count(value))
-
-
-def _count(value: float) -> str:
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(value) >= scale:
-            return f"{value / scale:.4g}{suffix}"
-    return f"{value:.4g}"
+    return FuncFormatter(lambda value, _pos: format_count(value, 4))
 
 
 def _draw_stages(ax: Any, run: _Run, x: np.ndarray | None = None, label: bool = True, color: str = "0.35") -> None:
@@ -360,7 +312,7 @@ def _plot_throughput(run: _Run) -> Any:
         handles += ax.plot(x, tps, color="tab:blue", linewidth=1.2, label="tokens/s")
         ax.yaxis.set_major_formatter(_count_formatter())
         ax.set_ylim(bottom=0, top=np.nanmax(tps) * 1.15)
-        parts.append(f"median {_count(float(np.nanmedian(tps)))} tokens/s")
+        parts.append(f"median {format_count(float(np.nanmedian(tps)), 4)} tokens/s")
     ax.set_ylabel("tokens/s", color="tab:blue")
     _format_axis(ax, run)
     if np.isfinite(mfu).any():

@@ -1,11 +1,5 @@
-"""The run directory: what lives in it, and who may use it.
-
-    <run_dir>/config.toml       the resolved config (every key): the run's identity
-    <run_dir>/tokenizer.json    the data's tokenizer (generate/eval use it)
-    <run_dir>/metrics.jsonl     one record per step and per evaluation
-    <run_dir>/checkpoints/      training checkpoints (zaya.checkpoint.store)
-    <run_dir>/plots/            written at the end of a run and by ``zaya plot``
-    <run_dir>/job.lock, rank0.lock   one job at a time (zaya.train.run_lock)
+"""Who may use a run directory (what lives in it is named in ``zaya.core.layout``; its locks, job.lock and
+rank0.lock, in ``zaya.train.run_lock``).
 
 A run directory belongs to one config: resuming with a config that differs in a key that changes what is computed
 (any field not declared ``resumable`` in zaya.config) is refused, naming the keys. It belongs to one job at a time:
@@ -20,12 +14,8 @@ from typing import Callable
 
 from zaya.config import Config, config_differences, dump_config, load_config
 from zaya.core.errors import ConfigError
+from zaya.core.layout import CHECKPOINTS, CONFIG_FILE
 from zaya.train.run_lock import LOCK_FILES, RunLock, lock_run_dir
-
-CONFIG_FILE = "config.toml"
-METRICS_FILE = "metrics.jsonl"
-TOKENIZER_FILE = "tokenizer.json"
-CHECKPOINTS = "checkpoints"
 
 
 def prepare_run_dir(run_dir: Path, config: Config, resume: str, say: Callable[[str], None], role: str = "rank0",
