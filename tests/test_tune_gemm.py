@@ -20,7 +20,7 @@ from zaya.core.errors import ConfigError
 from zaya.model import loss as zloss
 from zaya.model.info import forward_flops_per_token, model_info
 from zaya.optim import newton_schulz as ns
-from zaya.train.metrics import device_peak_flops
+from zaya.core.hardware import device_peak_flops
 from zaya.core import hardware as profile
 from zaya.core import units
 from zaya.tune.gemm import command, options, predict, recommend, sweep, timing

@@ -1,6 +1,9 @@
-"""Hardware tuning and capacity planning: ``zaya tune gemm``, ``zaya tune comm`` (``zaya plan`` is not built yet).
+"""The top floor: measure this machine and plan a run (docs/tuning.md).
 
-* ``profile``: the per-device hardware profile that the tuned constants come from (docs/tuning.md).
-* ``gemm``: GEMM throughput by the model's shapes, a heatmap, and shape recommendations.
-* ``comm``: collective bandwidth by message size and ranks, and the bucket sizes it recommends.
+* ``gemm``: ``zaya tune gemm``, GEMM throughput by the model's shapes and the shapes and micro-batch it recommends.
+* ``comm``: ``zaya tune comm``, collective bandwidth by message size and ranks, and the bucket sizes it recommends.
+* ``plan``: ``zaya plan``, memory, time, communication, checkpoint and data needs of a config on a cluster
+  (``activation_trace`` and ``live_memory`` count its activation memory and check it against real runs).
+* ``report``: what the commands share around a measurement; only they write the hardware profile, which
+  ``zaya.core.hardware`` reads for everyone.
 """

@@ -39,9 +39,7 @@ import datetime
 import json
 import math
 import os
-import re
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -49,9 +47,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from zaya.core.errors import ConfigError
+from zaya.core.units import MiB, format_bytes, format_duration, parse_size
+from zaya.tune import report as skeleton
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DEFAULT_SIZES = {"cpu": "4K..64M", "cuda": "4K..1G"}
 QUICK_SIZES = "4K,64K,1M"
 SATURATION = 0.9
@@ -61,8 +60,6 @@ KEEP_GATHERED_FRACTION = 0.1
 """FSDP2: keep the gathered parameters after the forward when they take at most this fraction of device memory."""
 _SAMPLE_S = {"cpu": 0.02, "cuda": 0.005}
 _MAX_ITERS = 200
-_UNITS = {"": 1, "b": 1, "k": KiB, "kb": KiB, "kib": KiB, "m": MiB, "mb": MiB, "mib": MiB, "g": GiB, "gb": GiB,
-          "gib": GiB}
 _DTYPES = {"float32": 4, "bfloat16": 2}
 
 
@@ -89,11 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a model config: also report FSDP2's per-block all-gather and ZeRO-1's parameter sync at its "
                         "sizes, and set fsdp_reshard_after_forward for it")
     p.add_argument("--quick", action="store_true", help=f"a smoke test: sizes {QUICK_SIZES}, 3 repeats")
-    p.add_argument("--json", action="store_true", help="print the whole result as one JSON line")
-    p.add_argument("--no-save", action="store_true", help="do not write the hardware profile")
-    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
-    p.add_argument("--out", default="runs/tune", metavar="DIR",
-                   help="where comm-<device>.json and .png go (default runs/tune)")
+    skeleton.add_output_arguments(p, "comm-<device>.json and .png", "the PNG")
 
 
 @dataclass
@@ -116,32 +109,20 @@ class Options:
     json: bool = False
     save: bool = True
     plot: bool = True
-    out: str = "runs/tune"
+    out: str = skeleton.DEFAULT_OUT
     command: str = ""
-
-
-def parse_size(text: str) -> int:
-    """Bytes of "4096", "4K", "4KiB", "64M", "1G" (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = m and _UNITS.get(m.group(2).lower())
-    if not m or unit is None:
-        raise ConfigError(f"--sizes: {text!r} is not a size (use bytes or K/M/G, e.g. 4K, 64MiB)")
-    size = int(float(m.group(1)) * unit)
-    if size < 1:
-        raise ConfigError(f"--sizes: {text!r} must be at least one byte")
-    return size
 
 
 def parse_sizes(text: str) -> list[int]:
     """"A..B" (A, 2A, 4A, ... up to B) or a comma list; sorted, without repeats."""
     if ".." in text:
         lo, _, hi = text.partition("..")
-        a, b = parse_size(lo), parse_size(hi)
+        a, b = parse_size(lo, "--sizes"), parse_size(hi, "--sizes")
         if a > b:
             raise ConfigError(f"--sizes {text}: the range must go from small to large")
         sizes = [a << i for i in range(64) if a << i <= b]
     else:
-        sizes = [parse_size(t) for t in text.split(",") if t.strip()]
+        sizes = [parse_size(t, "--sizes") for t in text.split(",") if t.strip()]
     if not sizes:
         raise ConfigError(f"--sizes {text!r}: no sizes")
     return sorted(set(sizes))
@@ -232,7 +213,7 @@ def options_from_args(args: argparse.Namespace, world: int | None = None, per_no
     return Options(nproc=nproc, device=spec, backend=backend, sizes=sizes, ranks=parse_ranks(args.ranks, per_node),
                    repeats=repeats, warmup=1 if args.quick else 2, dtype=args.dtype, model=model,
                    quick=args.quick, json=args.json, save=not args.no_save, plot=not args.no_plot, out=args.out,
-                   command=" ".join(["zaya", *sys.argv[1:]]) if sys.argv[1:3] == ["tune", "comm"] else "zaya tune comm")
+                   command=skeleton.command_line("zaya tune comm"))
 
 
 # --- bandwidth conventions and the recommendations (pure) -----------------------------------------------------
@@ -285,14 +266,6 @@ def time_at(c: list[tuple[int, float, float]], op: str, n: int, size: float) -> 
     return size * bus_factor(op, n) / (bw * 1e9)
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
 def model_sizes(config_path: str) -> dict[str, Any]:
     """Parameter bytes of a config's model (built on the meta device): per block (FSDP2's unit) and in all."""
     import torch
@@ -327,10 +300,10 @@ def recommend(rows: list[dict[str, Any]], model: dict[str, Any] | None = None,
     out["ddp_bucket_mb"] = bucket
     at = next(b for s, b, _ in ar if s == size)
     reason = (f"all-reduce over {n} ranks reaches {SATURATION:.0%} of its peak bus bandwidth ({peak:.3g} GB/s) at "
-              f"{fmt_bytes(size)} ({at:.3g} GB/s)")
+              f"{format_bytes(size)} ({at:.3g} GB/s)")
     if not saturated:
         reason += f"; bandwidth may still be rising at the largest size measured: rerun with --sizes up to " \
-                  f"{fmt_bytes(4 * ar[-1][0])}"
+                  f"{format_bytes(4 * ar[-1][0])}"
     if bucket != size / MiB:
         reason += f"; kept within [{BUCKET_BOUNDS_MB[0]:g}, {BUCKET_BOUNDS_MB[1]:g}] MiB"
     out["reasons"]["ddp_bucket_mb"] = reason
@@ -343,7 +316,7 @@ def recommend(rows: list[dict[str, Any]], model: dict[str, Any] | None = None,
         t_bc = n * time_at(bc, "broadcast", n, total / n)
         t_ag = time_at(ag, "all_gather", n, total)
         zero1.update(broadcast_s=t_bc, all_gather_s=t_ag, param_sync="broadcast")
-        what = f"{fmt_bytes(total)} of fp32 parameters" + (f" ({model['config']})" if model else "")
+        what = f"{format_bytes(total)} of fp32 parameters" + (f" ({model['config']})" if model else "")
         text = (f"parameter sync of {what} over {n} ranks: {n} coalesced per-owner broadcasts (zaya's) "
                 f"{t_bc * 1e3:.3g} ms, one all-gather {t_ag * 1e3:.3g} ms")
         if t_ag < 0.9 * t_bc:
@@ -362,7 +335,7 @@ def recommend(rows: list[dict[str, Any]], model: dict[str, Any] | None = None,
             peak_ag = max(b for _, b, _ in ag)
             t_block = time_at(ag, "all_gather", n, block)
             fsdp.update(block_busbw_gbps=bw, fraction_of_peak=bw / peak_ag, block_all_gather_s=t_block)
-            text = (f"a block of {model['config']} is {fmt_bytes(block)} of {model['dtype']} parameters, at which "
+            text = (f"a block of {model['config']} is {format_bytes(block)} of {model['dtype']} parameters, at which "
                     f"all-gather over {n} ranks reaches {bw / peak_ag:.0%} of its peak ({bw:.3g} of {peak_ag:.3g} "
                     f"GB/s; {t_block * 1e3:.3g} ms per block)")
             if not inside:
@@ -373,9 +346,9 @@ def recommend(rows: list[dict[str, Any]], model: dict[str, Any] | None = None,
             if device_memory:
                 keep = gathered <= KEEP_GATHERED_FRACTION * device_memory
                 fsdp["reshard_after_forward"] = not keep
-                text += (f"; keeping every block gathered after the forward costs {fmt_bytes(gathered)} per device "
-                         f"({gathered / device_memory:.1%} of {fmt_bytes(device_memory)}), so reshard_after_forward = "
-                         f"{not keep}" + (f" (saves {model['num_blocks']} all-gathers, ~"
+                text += (f"; keeping every block gathered after the forward costs {format_bytes(gathered)} per "
+                         f"device ({gathered / device_memory:.1%} of {format_bytes(device_memory)}), so "
+                         f"reshard_after_forward = {not keep}" + (f" (saves {model['num_blocks']} all-gathers, ~"
                                           f"{model['num_blocks'] * t_block * 1e3:.3g} ms, per micro-batch)"
                                           if keep else ""))
             out["reasons"]["fsdp"] = text
@@ -573,7 +546,7 @@ def measure(opts: Options, rank: int, world: int, per_node: int, device: Any,
                                  "bytes": nbytes, "time_s": median, "min_time_s": best, "iters": iters,
                                  "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(op, n)})
                     if rank == 0:
-                        log(f"  {op:<14} {n:>3} ranks {fmt_bytes(nbytes):>9}  {median * 1e6:10.1f} us  "
+                        log(f"  {op:<14} {n:>3} ranks {format_bytes(nbytes):>9}  {median * 1e6:10.1f} us  "
                             f"{rows[-1]['busbw_gbps']:8.3f} GB/s")
         _barrier(None, device)
     return rows
@@ -598,27 +571,15 @@ def table(rows: list[dict[str, Any]]) -> str:
             for n in ns:
                 r = next((r for r in mine if r["ranks"] == n and r["bytes"] == size), None)
                 cells.append(f"  {'-':>20}" if r is None else
-                             f"  {r['busbw_gbps']:8.3f} {_fmt_time(r['time_s']):>11}")
-            lines.append(f"  {fmt_bytes(size):>9}" + "".join(cells))
+                             f"  {r['busbw_gbps']:8.3f} {format_duration(r['time_s']):>11}")
+            lines.append(f"  {format_bytes(size):>9}" + "".join(cells))
     return "\n".join(lines)
 
 
-def _fmt_time(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
-
-
 def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Bus bandwidth against message size, one panel per collective, a line per rank count (Agg, no pyplot)."""
-    import io
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from zaya.core.fsutil import atomic_write_bytes
-
+    """Bus bandwidth against message size, one panel per collective, a line per rank count."""
     ops = [op for op in OPS if any(r["op"] == op and r.get("time_s") for r in rows)]
-    fig = Figure(figsize=(3.2 * len(ops), 3.2), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = skeleton.figure(3.2 * len(ops), 3.2)
     for i, op in enumerate(ops):
         ax = fig.add_subplot(1, len(ops), i + 1)
         for n in sorted({r["ranks"] for r in rows if r["op"] == op and r.get("time_s")}):
@@ -627,7 +588,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xscale("log", base=2)
         sizes = sorted({r["bytes"] for r in rows if r["op"] == op and r.get("time_s")})
         ticks = sizes[::max(1, len(sizes) // 5)]
-        ax.set_xticks(ticks, [fmt_bytes(t) for t in ticks])
+        ax.set_xticks(ticks, [format_bytes(t) for t in ticks])
         ax.minorticks_off()
         ax.set_title(op, fontsize=9)
         ax.set_xlabel("message bytes", fontsize=8)
@@ -637,9 +598,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110, facecolor="white")
-    atomic_write_bytes(path, buffer.getvalue())
+    skeleton.write_png(fig, path, dpi=110)
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -677,7 +636,7 @@ def finish(opts: Options, rows: list[dict[str, Any]], world: int, per_node: int,
     result = {"backend": opts.backend, "device": str(device.type), "device_key": device_key(device),
               "dtype": opts.dtype, "world": world, "ranks_per_node": per_node, "ranks": opts.ranks,
               "sizes": opts.sizes, "repeats": opts.repeats, "quick": opts.quick, "torch": torch.__version__,
-              "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "measured_at": skeleton.now(),
               "command": opts.command, "rows": rows, "model": model,
               "recommendation": recommend(rows, model, memory), "files": [], "profile": None}
     out = Path(opts.out)
@@ -697,19 +656,11 @@ def save(opts: Options, result: dict[str, Any], device: Any) -> str | None:
     """Local rank 0 of every node: write the recommendation into this device's hardware profile."""
     if not opts.save:
         return None
-    from zaya.core.hardware import update_profile
-
     rec = result["recommendation"]
     values: dict[str, Any] = {"ddp_bucket_mb": rec["ddp_bucket_mb"], "comm": summary(result)}
     if "reshard_after_forward" in rec.get("fsdp", {}):
         values["fsdp_reshard_after_forward"] = rec["fsdp"]["reshard_after_forward"]
-    return str(update_profile(device, **values))
-
-
-def write_json(result: dict[str, Any]) -> None:
-    from zaya.core.fsutil import atomic_write_text
-
-    atomic_write_text(result["files"][0], json.dumps(result, indent=1) + "\n")
+    return skeleton.save_to_profile(device, **values)
 
 
 def report(result: dict[str, Any]) -> str:
@@ -756,12 +707,11 @@ def _worker(rank: int, world: int, port: int, opts: Options, result_path: str) -
                             timeout=datetime.timedelta(seconds=600),
                             device_id=device if device.type == "cuda" else None)
     try:
-        log = (lambda m: print(m, file=sys.stderr, flush=True)) if not opts.json else (lambda m: None)
-        rows = measure(opts, rank, world, world, device, log)
+        rows = measure(opts, rank, world, world, device, skeleton.progress(quiet=opts.json))
         if rank == 0:
             result = finish(opts, rows, world, world, device)
             result["profile"] = save(opts, result, device)
-            write_json(result)
+            skeleton.write_json(result["files"][0], result)
             Path(result_path).write_text(json.dumps(result), encoding="utf-8")
         _barrier(None, device)
     finally:
@@ -799,8 +749,7 @@ def under_torchrun(args: argparse.Namespace) -> tuple[dict[str, Any] | None, Opt
     else:
         rt = start(device=opts.device)
         rank, device = rt.rank, rt.device
-    rows = measure(opts, rank, world, per_node, device,
-                   (lambda m: print(m, file=sys.stderr, flush=True)) if not opts.json else (lambda m: None))
+    rows = measure(opts, rank, world, per_node, device, skeleton.progress(quiet=opts.json))
     result = finish(opts, rows, world, per_node, device) if rank == 0 else None
     box = [result]
     dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
@@ -809,7 +758,7 @@ def under_torchrun(args: argparse.Namespace) -> tuple[dict[str, Any] | None, Opt
         path = save(opts, result, device)
         if rank == 0:
             result["profile"] = path
-            write_json(result)
+            skeleton.write_json(result["files"][0], result)
     _barrier(None, device)
     return (result if rank == 0 else None), opts
 
@@ -824,12 +773,11 @@ def run(args: argparse.Namespace) -> int:
             return 0
     else:
         opts = options_from_args(args)
-        if not opts.json:
-            print(f"zaya tune comm: starting {opts.nproc} {opts.backend} ranks on {opts.device}; ranks "
-                  f"{','.join(map(str, opts.ranks))}, {len(opts.sizes)} sizes {fmt_bytes(opts.sizes[0])}.."
-                  f"{fmt_bytes(opts.sizes[-1])}", file=sys.stderr, flush=True)
+        skeleton.progress(quiet=opts.json)(
+            f"zaya tune comm: starting {opts.nproc} {opts.backend} ranks on {opts.device}; ranks "
+            f"{','.join(map(str, opts.ranks))}, {len(opts.sizes)} sizes {format_bytes(opts.sizes[0])}.."
+            f"{format_bytes(opts.sizes[-1])}")
         result = spawn(opts)
-    print(json.dumps(result) if opts.json else report(result))
-    return 0
+    return skeleton.emit(result, opts.json, report)
 
 

@@ -37,7 +37,6 @@ import functools
 import json
 import math
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,9 @@ import torch
 
 from zaya.config import Config, load_config
 from zaya.core.errors import ConfigError
-from zaya.core.fsutil import loads_json
+from zaya.core.metrics_file import parse_records
+from zaya.core.units import format_count, format_duration
+from zaya.tune import report as skeleton
 
 MODES = ("ddp", "zero1", "fsdp")
 GIB = 2 ** 30
@@ -417,18 +418,12 @@ def plan(config: Config, hw: Hardware, *, modes: tuple[str, ...] = MODES, ac_opt
 
 def mfu_from_metrics(path: Path) -> float:
     """The median ``mfu`` of a run's metrics.jsonl train records (skipping the first, which includes warm-up)."""
-    values = []
     try:
-        lines = path.read_text().splitlines()
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"--mfu {path}: cannot read it ({exc.strerror or exc})") from exc
-    for line in lines:
-        try:
-            record = loads_json(line)
-        except ValueError:  # a torn or foreign line (nested past the parser's depth too)
-            continue
-        if isinstance(record, dict) and isinstance(record.get("mfu"), (int, float)) and record["mfu"] > 0:
-            values.append(float(record["mfu"]))
+    values = [float(record["mfu"]) for _, _, record in parse_records(data, path)
+              if isinstance(record.get("mfu"), (int, float)) and record["mfu"] > 0]
     if len(values) < 2:
         raise ConfigError(f"--mfu {path}: no train records with an mfu value (need a metrics.jsonl of a zaya run, "
                           "or give a number such as --mfu 0.35)")
@@ -488,34 +483,17 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f}" if abs(n) < 10 * GIB else f"{n / GIB:.1f}"
 
 
-def _count(n: float) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f}{unit}"
-    return f"{n:.0f}"
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 2 * 86400:
-        return f"{seconds / 86400:.1f} days"
-    if seconds >= 2 * 3600:
-        return f"{seconds / 3600:.1f} h"
-    if seconds >= 120:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds:.1f} s"
-
-
 def report(result: dict[str, Any], config_path: str) -> str:
     hw, model = result["hardware"], result["config_model"]
     lines = [f"zaya plan: {config_path} on {hw['gpus']:,} GPUs ({hw['gpu_memory_gib']:g} GiB, {hw['tflops']:g} "
-             f"TFLOP/s, MFU {hw['mfu']:.0%}), {hw['dtype']}; {_count(model['params_total'])} parameters (Muon "
-             f"{_count(model['params_muon'])}, AdamW {_count(model['params_adamw'])})",
+             f"TFLOP/s, MFU {hw['mfu']:.0%}), {hw['dtype']}; {format_count(model['params_total'])} parameters (Muon "
+             f"{format_count(model['params_muon'])}, AdamW {format_count(model['params_adamw'])})",
              f"memory budget per GPU {_gib(hw['budget_bytes'])} GiB ({hw['headroom']:.0%} headroom); fsdp "
              f"reshard_after_forward {hw['fsdp_reshard_after_forward']}"]
     for st in result["stages"]:
-        lines += ["", f"stage {st['name']}: {_count(st['tokens'])} tokens"
+        lines += ["", f"stage {st['name']}: {format_count(st['tokens'])} tokens"
                       f"{' (' + st['tokens_note'] + ')' if st['tokens_note'] else ''}, seq {st['seq_len']:,}, "
-                      f"micro-batch {st['micro_batch']}, global batch {_count(st['global_batch_tokens'])} tokens",
+                      f"micro-batch {st['micro_batch']}, global batch {format_count(st['global_batch_tokens'])} tokens",
                   "  memory per GPU, GiB    weights  grads  optim  activ  fwd+bwd  optim-step   peak  fits  "
                   "max micro-batch"]
         for m in st["memory"]:
@@ -525,12 +503,12 @@ def report(result: dict[str, Any], config_path: str) -> str:
                          f"{_gib(m['optimizer_step']):>11s} {_gib(m['peak']):>6s}  "
                          f"{'yes' if m['fits'] else 'NO ':4s} {m['max_micro_batch']:>5d}")
         lines.append(f"  throughput {st['tokens_per_s']:,.0f} tokens/s ({st['tokens_per_s_with_checkpointing']:,.0f} "
-                     f"with activation checkpointing): {_duration(st['seconds'])}; a step "
-                     f"{_duration(st['step_seconds'])}")
+                     f"with activation checkpointing): {format_duration(st['seconds'])}; a step "
+                     f"{format_duration(st['step_seconds'])}")
         comm = []
         for mode, c in st["communication"].items():
             if c["seconds"] is not None:
-                comm.append(f"{mode} {c['bytes_per_gpu'] / 1e9:.1f} GB ({_duration(c['seconds'])}, "
+                comm.append(f"{mode} {c['bytes_per_gpu'] / 1e9:.1f} GB ({format_duration(c['seconds'])}, "
                             f"{c['share_of_step']:.0%} of the step)")
             else:
                 comm.append(f"{mode} {c['bytes_per_gpu'] / 1e9:.1f} GB")
@@ -540,13 +518,13 @@ def report(result: dict[str, Any], config_path: str) -> str:
     line = (f"checkpoint: {ck['bytes'] / 1e9:.1f} GB (weights {ck['weights'] / 1e9:.1f}, optimizer "
             f"{ck['optimizer'] / 1e9:.1f}); exported bf16 weights {ck['exported_bf16_bytes'] / 1e9:.1f} GB")
     if ck["write_seconds"] is not None:
-        line += f"; written in {_duration(ck['write_seconds'])}"
+        line += f"; written in {format_duration(ck['write_seconds'])}"
         if ck["share_of_interval"] is not None:
             line += f" ({ck['share_of_interval']:.1%} of the {ck['every_steps']}-step interval if not overlapped)"
     lines += ["", line, f"data: {data['bytes_per_token']} bytes/token, {data['read_bytes_per_s'] / 1e6:.1f} MB/s of "
                         "reads" + (f" ({data['share_of_storage']:.2%} of the storage bandwidth)"
                                    if data["share_of_storage"] is not None else ""),
-              f"total: {_count(result['total_tokens'])} tokens in {_duration(result['total_seconds'])}"]
+              f"total: {format_count(result['total_tokens'])} tokens in {format_duration(result['total_seconds'])}"]
     return "\n".join(lines)
 
 
@@ -559,9 +537,4 @@ def run(args: argparse.Namespace) -> int:
     result = plan(config, hw, modes=tuple(args.parallel or MODES), ac_options=ac,
                   cp_options=_cp_list(args.context_parallel),
                   last_stage_tokens=None if args.last_stage_tokens is None else int(args.last_stage_tokens))
-    if args.json:
-        json.dump(result, sys.stdout)
-        print()
-    else:
-        print(report(result, args.config))
-    return 0
+    return skeleton.emit(result, args.json, lambda r: report(r, args.config))

@@ -14,7 +14,7 @@ from typing import Any
 
 from zaya.core.errors import ConfigError
 from zaya.tune import report as skeleton
-from zaya.tune.gemm.options import SHORT, Options, add_arguments, options_from_args
+from zaya.tune.gemm.options import Options, add_arguments, options_from_args
 from zaya.tune.gemm.recommend import recommend
 from zaya.tune.gemm.sweep import sweep
 from zaya.tune.gemm.text import report, what
@@ -118,6 +118,7 @@ def _measure(opts: Options) -> tuple[dict[str, Any], Any, Any, Any]:
 
 def _write(result: dict[str, Any], opts: Options, device: Any) -> None:
     """The heatmaps, the profile (``peak_flops`` and the summary) and the result's JSON, each named in the result."""
+    from zaya.core.device import short_name
     from zaya.tune.gemm.heatmap import plot
 
     out = Path(opts.out)
@@ -126,7 +127,7 @@ def _write(result: dict[str, Any], opts: Options, device: Any) -> None:
     files = []
     if opts.plot:
         for dtype in result["dtypes"]:
-            path = out / f"{stem}-{SHORT[dtype]}.png"
+            path = out / f"{stem}-{short_name(dtype)}.png"
             plot(result, dtype, path, f"zaya tune gemm: {result['device_name']}, {dtype}, {result['config']}: "
                                       f"achieved throughput ({what(result)})")
             files.append(str(path))

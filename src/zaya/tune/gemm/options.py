@@ -14,7 +14,6 @@ from zaya.tune.gemm.shapes import CPU_TOKENS, GPU_TOKENS, QUICK_TOKENS
 from zaya.tune.report import DEFAULT_OUT, add_output_arguments
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
-SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 
 
 def parse_ints(text: str, what: str, example: str) -> list[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from zaya.tune.gemm.options import SHORT, Options
+from zaya.tune.gemm.options import Options
 from zaya.tune.gemm.shapes import (CPU_TOKENS, GPU_TOKENS, PASSES, QUICK_TOKENS, Gemm, default_widths, scaled,
                                    swept_gemms)
 from zaya.tune.gemm.timing import Timing, measure_gemm
@@ -31,6 +31,8 @@ def _peak_size(device: Any, quick: bool) -> int:
 
 def sweep(cfg: Any, device: Any, opts: Options, log: Callable[[str], None]) -> dict[str, Any]:
     """Measure every swept GEMM (and a square peak GEMM) for each dtype; returns the result's measured part."""
+    from zaya.core.device import short_name
+
     tokens = list(opts.tokens or (QUICK_TOKENS if opts.quick else CPU_TOKENS if device.type == "cpu" else GPU_TOKENS))
     widths = list(opts.widths or default_widths(cfg, opts.quick))
     backward = opts.backward if opts.backward is not None else device.type == "cuda"
@@ -49,13 +51,13 @@ def sweep(cfg: Any, device: Any, opts: Options, log: Callable[[str], None]) -> d
         if square["tflops"]:
             calls = 1 + timing.repeats
             est = sum(g.flops for g in unique) * len(passes) * calls / (square["tflops"] * 1e12)
-            log(f"zaya tune gemm: {SHORT[dtype]}: {len(unique)} shapes x {len(passes)} pass(es); square {size} GEMM "
-                f"{rate(square['tflops'])}; this dtype takes at least ~{est:.0f} s")
+            log(f"zaya tune gemm: {short_name(dtype)}: {len(unique)} shapes x {len(passes)} pass(es); square {size} "
+                f"GEMM {rate(square['tflops'])}; this dtype takes at least ~{est:.0f} s")
         done: dict[Gemm, dict[str, dict[str, Any]]] = {}
         for i, g in enumerate(unique):
             done[g] = {p: measure_gemm(g, p, dtype, device, timing, cfg.moe_impl) for p in passes}
             fwd = done[g]["fwd"]
-            log(f"  [{i + 1}/{len(unique)}] {SHORT[dtype]} {g.kind:<16} M={g.m:<6} {g.n}x{g.k}"
+            log(f"  [{i + 1}/{len(unique)}] {short_name(dtype)} {g.kind:<16} M={g.m:<6} {g.n}x{g.k}"
                 f"{f' /{g.groups}' if g.groups > 1 else ''}: "
                 f"{rate(fwd['tflops']) if fwd['tflops'] else fwd.get('error')}")
         again = dips(points, done, widths)
@@ -66,7 +68,7 @@ def sweep(cfg: Any, device: Any, opts: Options, log: Callable[[str], None]) -> d
                 if second["tflops"] and (not first["tflops"] or second["tflops"] > first["tflops"]):
                     done[g][p] = second
                 done[g][p]["remeasured"] = {"first_tflops": first["tflops"], "second_tflops": second["tflops"]}
-            log(f"  again [{i + 1}/{len(again)}] {SHORT[dtype]} {g.kind:<16} M={g.m:<6} {g.n}x{g.k}: "
+            log(f"  again [{i + 1}/{len(again)}] {short_name(dtype)} {g.kind:<16} M={g.m:<6} {g.n}x{g.k}: "
                 f"{rate(done[g]['fwd']['remeasured']['first_tflops'])} then "
                 f"{rate(done[g]['fwd']['remeasured']['second_tflops'])}")
         for w, g in points:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from zaya.core.units import format_count
-from zaya.tune.gemm.options import SHORT
 from zaya.tune.gemm.shapes import KINDS
 from zaya.tune.gemm.sweep import DIP
 from zaya.tune.report import rate
@@ -44,10 +43,12 @@ def what(result: dict[str, Any]) -> str:
 
 
 def table(result: dict[str, Any], dtype: str) -> str:
+    from zaya.core.device import short_name
+
     cells = grid(result, dtype)
     name, scale = unit(c["tflops"] or 0 for k in cells.values() for row in k.values() for c in row.values())
     tokens = result["tokens"]
-    lines = [f"{SHORT[dtype]} GEMM throughput ({what(result)}), {name}, by tokens per micro-batch:",
+    lines = [f"{short_name(dtype)} GEMM throughput ({what(result)}), {name}, by tokens per micro-batch:",
              f"  {'kind':<16} {'width':>6} {'N x K':>13} {'impl':>10}" + "".join(f" {t:>9,}" for t in tokens)]
     for kind, rows in cells.items():
         for w, row in sorted(rows.items()):
@@ -61,6 +62,8 @@ def table(result: dict[str, Any], dtype: str) -> str:
 
 
 def report(result: dict[str, Any]) -> str:
+    from zaya.core.device import short_name
+
     lines = [f"zaya tune gemm: {result['device_name']} ({result['device_key']}), torch {result['torch']}; "
              f"{result['config']}; sweep {result.get('sweep_s', 0):.0f} s"]
     busy = [x for x in (result.get("load_before"), result.get("load_after")) if x is not None]
@@ -88,9 +91,9 @@ def report(result: dict[str, Any]) -> str:
         a, b = result["dtypes"][:2]
         ra, rb = (result["recommendation"][d]["config"]["tokens_per_s"] for d in (a, b))
         faster, ratio = (a, ra / rb) if ra >= rb else (b, rb / ra)
-        lines += ["", f"At the config's shape {SHORT[faster]} runs {ratio:.2f}x faster than the other here "
-                      f"({SHORT[a]} {ra:,.0f}, {SHORT[b]} {rb:,.0f} predicted tokens/s of weight GEMMs and attention): "
-                      f"train.dtype = \"{faster}\" would train faster on this device."]
+        lines += ["", f"At the config's shape {short_name(faster)} runs {ratio:.2f}x faster than the other here "
+                      f"({short_name(a)} {ra:,.0f}, {short_name(b)} {rb:,.0f} predicted tokens/s of weight GEMMs and "
+                      f"attention): train.dtype = \"{faster}\" would train faster on this device."]
     for dtype in result["dtypes"]:
         lines += ["", *_recommendation(result["recommendation"][dtype], dtype)]
     lines.append("")
@@ -107,7 +110,9 @@ def report(result: dict[str, Any]) -> str:
 
 def _recommendation(rec: dict[str, Any], dtype: str) -> list[str]:
     """One dtype's ranked shapes (the best ``TOP``, and the config's own), the pick and why."""
-    lines = [f"Recommended shapes ({SHORT[dtype]}; {format_count(rec['budget'])} {rec['budget_of']} "
+    from zaya.core.device import short_name
+
+    lines = [f"Recommended shapes ({short_name(dtype)}; {format_count(rec['budget'])} {rec['budget_of']} "
              f"non-embedding parameters +-{rec['tolerance']:.0%}; predicted fwd+bwd at "
              f"{rec['reference_tokens']:,} tokens per micro-batch; vs config: time per token scaled to the budget):",
              f"  {'':>6} {'hidden':>6} {'expert':>6} {'heads q/kv x dim':>16} {'active':>8} {'total':>8} "
