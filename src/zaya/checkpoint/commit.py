@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from zaya.core.balance import balance
 from zaya.core.fsutil import loads_json, read_json
 from zaya.model.checksums import is_plain_name
 
@@ -233,15 +234,10 @@ def unloadable(path: Path, problem: str):
 
 
 def share_of_files(records: dict[str, FileRecord], rank: int, world_size: int) -> list[str]:
-    """This rank's share of the files to checksum: largest first, each to the least-loaded rank (deterministic)."""
-    loads = [0] * world_size
-    mine: list[str] = []
-    for name, record in sorted(records.items(), key=lambda kv: (-kv[1].size, kv[0])):
-        owner = min(range(world_size), key=lambda r: (loads[r], r))
-        loads[owner] += record.size
-        if owner == rank:
-            mine.append(name)
-    return mine
+    """This rank's share of the files to checksum, by size (``zaya.core.balance``: largest first, each to the
+    least-loaded rank; deterministic)."""
+    owner = balance({name: record.size for name, record in records.items()}, [0] * world_size)
+    return [name for name, r in owner.items() if r == rank]
 
 
 def committed_checkpoints(directory: Path) -> list[Path]:

@@ -3,11 +3,11 @@
 **Ownership.** The store hands DCP a flat dictionary ``{key: tensor}`` per rank. Under DDP and ZeRO-1 every rank
 holds the full replicated model (under DDP the full optimizer state too), yet a checkpoint needs one copy: so a
 plain-tensor key that several ranks hold with the same shape and dtype (DCP assumes such tensors are identical) is
-*owned* by exactly one of them, chosen by ``assign_owners``: largest first, each to the least-loaded holder, a
-rank's load starting at the bytes it must write anyway (keys only it holds, such as ZeRO-1's optimizer state, and
-its DTensor shards under FSDP2). Deterministic: every rank computes the same assignment from one all-gather of
-``(key, kind, dtype, shape, bytes)`` rows. Each rank then stages, DCP-saves and RAM-copies only what it owns; DCP
-merges the ranks' plans into one ``.metadata``, so the union on disk is complete.
+*owned* by exactly one of them, chosen by ``assign_owners`` (``zaya.core.balance``): largest first, each to the
+least-loaded holder, a rank's load starting at the bytes it must write anyway (keys only it holds, such as ZeRO-1's
+optimizer state, and its DTensor shards under FSDP2). Deterministic: every rank computes the same assignment from
+one all-gather of ``(key, kind, dtype, shape, bytes)`` rows. Each rank then stages, DCP-saves and RAM-copies only
+what it owns; DCP merges the ranks' plans into one ``.metadata``, so the union on disk is complete.
 
 **Staging.** ``stage`` copies every tensor of a flat state into host memory. A DTensor (FSDP2) stays a DTensor with
 the same mesh and placements, its local shard copied, which is what DCP needs to write each rank's part. Buffers
@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
+
+from zaya.core.balance import balance
 
 
 def is_dtensor(value: Any) -> bool:
@@ -105,12 +107,8 @@ def assign_owners(gathered: list[list], rank: int) -> Ownership:
         for key, kind, dtype, shape, nbytes in rows:
             if key not in replicated:  # a DTensor shard, a key only this rank holds (or one the ranks disagree on)
                 load[r] += nbytes
-    owner: dict[str, int] = {}
-    for key in sorted(replicated, key=lambda k: (-replicated[k][0][3], k)):
-        ranks = [r for r, _, _, _ in replicated[key]]
-        chosen = min(ranks, key=lambda r: (load[r], r))
-        owner[key] = chosen
-        load[chosen] += replicated[key][0][3]
+    owner = balance({key: hs[0][3] for key, hs in replicated.items()}, load,
+                    {key: [r for r, _, _, _ in hs] for key, hs in replicated.items()})
     table = [[key, owner[key], replicated[key][0][1], list(replicated[key][0][2]),
               [r for r, _, _, _ in replicated[key]]] for key in sorted(replicated)]
     return Ownership(rank, list(gathered[rank]), owner, table, load)

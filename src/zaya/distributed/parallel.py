@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zaya.distributed.runtime import Runtime
+from zaya.core.balance import assign
 from zaya.core.hardware import load_profile
+from zaya.distributed.runtime import Runtime
 
 MODES = ("ddp", "zero1", "fsdp")
 
@@ -113,15 +114,10 @@ class Parallel:
 
 
 def assign_owners(params: list[nn.Parameter], world_size: int) -> dict[int, int]:
-    """Greedy size balancing: largest parameters first, each to the least-loaded rank (deterministic)."""
-    load = [0] * world_size
-    owner: dict[int, int] = {}
-    order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
-    for i in order:
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owner[id(params[i])] = rank
-        load[rank] += params[i].numel()
-    return owner
+    """ZeRO-1's owner of each parameter (by ``id``): by size, ``zaya.core.balance`` (largest first, each to the
+    least-loaded rank; deterministic)."""
+    owner = assign([p.numel() for p in params], world_size)
+    return {id(p): rank for p, rank in zip(params, owner)}
 
 
 def mixed_precision(dtype: str) -> Any:

@@ -5,7 +5,7 @@ a data-parallel job would compute all of it; so each matrix is orthogonalised by
 result shared. This module holds that communication, apart from the optimizer (``zaya.optim.muon``, which calls
 these functions from ``Muon.step`` and runs the matrices given to this rank) and from the math
 (``zaya.optim.newton_schulz``). Owners are assigned by a deterministic greedy balance of modelled FLOPs
-(``assign``), computed identically on every rank, so no rank has to be told who owns what.
+(``zaya.core.balance.assign``), computed identically on every rank, so no rank has to be told who owns what.
 
 * ``update_replicated`` (DDP: plain parameters, the same on every rank of ``replica_group``): each matrix (each
   expert of a 3-D parameter) is orthogonalised by one rank, and each rank broadcasts its results (one coalesced
@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from zaya.core.balance import assign
 from zaya.optim.muon_work import Entry, Runner, StepChecks, Task, _ignore, local
 from zaya.optim.newton_schulz import gram_checked, ns_flops, plan, stacked
 
@@ -48,24 +49,13 @@ try:
 except ImportError:  # pragma: no cover
     DTensor = Partial = Replicate = None  # type: ignore[assignment,misc]
 
-__all__ = ["update_replicated", "update_sharded", "update_gathered", "assign", "chunk_sizes"]
+__all__ = ["update_replicated", "update_sharded", "update_gathered", "chunk_sizes"]
 
 
 def chunk_sizes(n: int, world: int) -> list[int]:
     """Rows per rank of a ``Shard(0)`` DTensor with ``n`` rows (``torch.chunk``'s rule, which FSDP2 uses)."""
     c = -(-n // world) if n else 0
     return [max(0, min(c, n - r * c)) for r in range(world)]
-
-
-def assign(costs: Sequence[float], world: int, load: list[float] | None = None) -> list[int]:
-    """Owner of each item: largest first, each to the least-loaded rank (ties: lower index, lower rank)."""
-    load = list(load) if load is not None else [0.0] * world
-    owner = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        owner[i] = r
-        load[r] += costs[i]
-    return owner
 
 
 def _cost(e: Entry) -> float:
