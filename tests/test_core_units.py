@@ -31,29 +31,20 @@ def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
 
 
-@pytest.mark.parametrize("text, size", [
-    ("4096", 4096), ("4K", 4 * KiB), ("4KiB", 4 * KiB), ("4kb", 4 * KiB), ("64M", 64 * MiB), ("1.5G", 3 * GiB // 2),
-    (" 1 gib ", GiB), ("2T", 2 * 1024 * GiB),
+@pytest.mark.parametrize("parse, text, value", [
+    (parse_size, "4096", 4096), (parse_size, "4K", 4 * KiB), (parse_size, "4KiB", 4 * KiB),
+    (parse_size, "4kb", 4 * KiB),
+    (parse_size, "64M", 64 * MiB), (parse_size, "1.5G", 3 * GiB // 2), (parse_size, " 1 gib ", GiB),
+    (parse_size, "2T", 2 * 1024 * GiB), (parse_count, "760M", 760_000_000), (parse_count, "8.3B", 8_300_000_000),
+    (parse_count, "2.5e6", 2_500_000), (parse_count, "123_456", 123456), (parse_count, "1,000", 1000),
+    (parse_count, "4k", 4000), (parse_count, "1G", 10**9), (parse_count, "1.5T", 1_500_000_000_000),
 ])
-def test_parse_size(text, size):
-    assert parse_size(text, "--sizes") == size
+def test_parsers(parse, text, value):
+    assert parse(text, "--option") == value
 
 
-@pytest.mark.parametrize("text", ["", "4Q", "-1K", "K", "0", "0.1"])
-def test_parse_size_refuses_naming_the_option(text):
-    with pytest.raises(ConfigError, match="--sizes"):
-        parse_size(text, "--sizes")
-
-
-@pytest.mark.parametrize("text, count", [
-    ("760M", 760_000_000), ("8.3B", 8_300_000_000), ("2.5e6", 2_500_000), ("123_456", 123456), ("1,000", 1000),
-    ("4k", 4000), ("1G", 10**9), ("1.5T", 1_500_000_000_000),
-])
-def test_parse_count(text, count):
-    assert parse_count(text, "--params") == count
-
-
-@pytest.mark.parametrize("text", ["", "x", "-5M", "0", "nanM", "infB"])
-def test_parse_count_refuses_naming_the_option(text):
-    with pytest.raises(ConfigError, match="--params"):
-        parse_count(text, "--params")
+@pytest.mark.parametrize("parse, text", [(parse_size, t) for t in ("", "4Q", "-1K", "K", "0", "0.1")]
+                         + [(parse_count, t) for t in ("", "x", "-5M", "0", "nanM", "infB")])
+def test_parsers_refuse_naming_the_option(parse, text):
+    with pytest.raises(ConfigError, match="--option"):
+        parse(text, "--option")

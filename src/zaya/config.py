@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from zaya.core.errors import ConfigError
+from zaya.core.fsutil import atomic_write_text
 
 __all__ = ["AegisConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
            "StageConfig", "TrainConfig", "config_differences", "load_config", "resumable"]
@@ -860,8 +861,5 @@ def dump_config(config: Config, path: str | Path) -> Path:
     import tomli_w
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(tomli_w.dumps(to_dict(config)))
-    tmp.replace(path)
+    atomic_write_text(path, tomli_w.dumps(to_dict(config)))
     return path

@@ -25,7 +25,7 @@ import psutil
 from zaya.core import procs
 from zaya.aegis.lineage import live_process
 from zaya.core.errors import exit_code_of
-from zaya.core.fsutil import read_json
+from zaya.core.fsutil import atomic_write_text, read_json
 from zaya.train.callbacks import Callback
 
 PHASES = ("startup", "train", "checkpoint", "eval")
@@ -37,11 +37,9 @@ def heartbeat_dir(aegis: Path) -> Path:
 
 
 def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
-    """Write-then-rename without fsync: a heartbeat must survive the writer's crash (never a torn file), not a
-    power cut, and an fsync per step would cost more than the heartbeat is worth."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, path)
+    """Aegis's files (heartbeats, directives, requests) are written whole but not durably: they must survive the
+    writer's crash (never a torn file), not a power cut, and an fsync per step would cost more than they are worth."""
+    atomic_write_text(path, json.dumps(doc), durable=False)
 
 
 def device_id(device: Any) -> str:

@@ -29,6 +29,7 @@ from zaya.checkpoint.commit import (METADATA, NO_MARKER, STEP_DIR, committed_che
 from zaya.checkpoint.errors import CheckpointError
 from zaya.checkpoint.reader import AllowListReader, check_entries, load_dcp
 from zaya.core.errors import ConfigError
+from zaya.core.layout import checkpoints_dir
 
 TOKENIZER = "tokenizer.json"
 
@@ -44,7 +45,7 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = _stderr) -
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such checkpoint or run directory")
-    checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    checkpoints = checkpoints_dir(path) if checkpoints_dir(path).is_dir() else path
     if checkpoints != path or (path.is_dir() and any(STEP_DIR.match(p.name) for p in path.iterdir())):
         candidates = committed_checkpoints(checkpoints)  # a save in progress (no COMMIT yet) is no candidate
         if not candidates:
@@ -95,6 +96,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dty
     """
     from zaya.config import model_config_from_dict
     from zaya.model import ZayaForCausalLM
+    from zaya.model.info import parameter_count
     from zaya.model.io import check_layer_count, check_weight
 
     kind, directory = resolve_checkpoint(path, log)
@@ -112,8 +114,7 @@ def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dty
         try:
             model.to_empty(device="cpu")
         except (RuntimeError, MemoryError) as exc:
-            params = sum(p.numel() for p in model.parameters())
-            raise CheckpointError(f"{directory}: its model ({params:,} parameters) cannot be allocated here "
+            raise CheckpointError(f"{directory}: its model ({parameter_count(model):,} parameters) cannot be allocated here "
                                   f"({type(exc).__name__}); load it on a machine with more memory") from None
         state = {f"model.{k}": v for k, v in model.state_dict().items()}
         load_dcp(directory, state, reader=reader)

@@ -24,12 +24,10 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-import torch
-
+from zaya.core.device import DTYPES, dtype_name
 from zaya.core.errors import ConfigError
 
 FORMATS = {"hf": "Hugging Face zaya layout", "safetensors": "zaya checkpoint"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: str = "keep", overwrite: bool = False,
@@ -46,6 +44,7 @@ def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: st
     from zaya.core.fsutil import atomic_directory
     from zaya.model.checksums import write_checksums
     from zaya.model.hf import write_hf
+    from zaya.model.info import parameter_count
     from zaya.model.io import write_checkpoint
 
     if format not in FORMATS:
@@ -66,8 +65,8 @@ def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: st
         write_checksums(tmp)
     if log is not None:
         params = list(model.parameters())
-        dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in params}))
-        log(f"wrote {to}: {format} ({FORMATS[format]}), {sum(p.numel() for p in params):,} parameters, {dtypes}, "
+        dtypes = "/".join(sorted({dtype_name(p.dtype) for p in params}))
+        log(f"wrote {to}: {format} ({FORMATS[format]}), {parameter_count(params):,} parameters, {dtypes}, "
             f"from {describe(directory)}; " + (f"{TOKENIZER} copied" if tokenizer is not None else
                                               f"no {TOKENIZER} found with the source (generate will need --tokenizer)"))
     return to

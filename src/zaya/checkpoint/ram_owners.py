@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from zaya.core import procs
-from zaya.core.fsutil import read_json
+from zaya.core.fsutil import atomic_write_text, read_json
 
 OWNER_SUFFIX = ".owner.json"
 SUPERVISOR_ENV = ("ZAYA_AEGIS_SUPERVISOR_PID", "ZAYA_AEGIS_SUPERVISOR_START")
@@ -108,10 +108,7 @@ def owner_record() -> dict[str, Any]:
 
 def claim(directory: Path, rank: int) -> None:
     """Record this process as the owner of rank ``rank``'s copy in ``directory`` (written atomically)."""
-    path = directory / f"rank-{rank:05d}{OWNER_SUFFIX}"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(owner_record()) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(directory / f"rank-{rank:05d}{OWNER_SUFFIX}", json.dumps(owner_record()) + "\n")
 
 
 def release(directory: Path, rank: int) -> None:

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 
 from zaya.checkpoint import ram_owners
-from zaya.core.fsutil import read_json
+from zaya.core.device import to_dtype
+from zaya.core.fsutil import atomic_write_text, read_json
 
 DEFAULT_DIR = f"/dev/shm/zaya-{os.getuid()}"
 """Per user: a directory of the user's own (mode 0700), which no other user can have made first under that name
@@ -115,9 +116,7 @@ class RamTier:
         info = {"format": FORMAT, "step": step, "save_id": save_id, "world_size": self.world_size,
                 "parallel": self.parallel, "size": self.data_path.stat().st_size, "crc32": _crc32(self.data_path),
                 "run_dir": self.run_dir}
-        tmp = self.info_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(info) + "\n")
-        os.replace(tmp, self.info_path)
+        atomic_write_text(self.info_path, json.dumps(info) + "\n")
 
     def invalidate(self) -> None:
         """Make the current copy (if any) invalid before it is replaced, so no failure can leave a stale one."""
@@ -198,8 +197,8 @@ def _buckets(table: list, bucket_bytes: int) -> list[tuple[int, torch.dtype, lis
     for row in sorted(table, key=lambda r: (r[1], r[2], r[0])):
         groups.setdefault((row[1], row[2]), []).append(row)
     out = []
-    for (owner, dtype_name), rows in sorted(groups.items()):
-        dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    for (owner, name), rows in sorted(groups.items()):
+        dtype = to_dtype(name)
         current, size = [], 0
         for row in rows:
             n = _numel(row[3]) * dtype.itemsize

@@ -87,6 +87,7 @@ from zaya.config import CheckpointConfig
 from zaya.distributed.runtime import Runtime
 from zaya.core.errors import DISK_FULL_ERRNOS
 from zaya.core.fsutil import atomic_write_bytes, read_json, replace_directory, restore_aside
+from zaya.core.layout import checkpoints_dir
 
 __all__ = ["COMMIT", "META", "RESERVED_META_KEYS", "CheckpointError", "CheckpointStore", "SaveOutcome", "Stateful",
            "check_model_config", "is_complete", "latest_checkpoint", "list_checkpoints", "read_meta",
@@ -546,8 +547,8 @@ class CheckpointStore:
             return None
         if resume != "auto":
             path = Path(resume)
-            if (path / "checkpoints").is_dir():
-                path = self._newest_of_run(path / "checkpoints")
+            if checkpoints_dir(path).is_dir():
+                path = self._newest_of_run(checkpoints_dir(path))
             else:
                 problem = self._verify(path)
                 if problem is not None:

@@ -16,8 +16,10 @@ import torch
 from zaya.core.errors import ConfigError
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The floating-point dtypes zaya computes in and stores weights in, by the name configs and options use."""
 SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-"""The short names options and reports also use, by torch's name of the dtype (the one configs use)."""
+"""The short names options and reports also use."""
 _LONG_NAMES = {short: name for name, short in SHORT_NAMES.items()}
 
 

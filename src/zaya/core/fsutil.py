@@ -57,8 +57,10 @@ def normal_mode(path: Path, mask: int) -> None:
     os.chmod(path, full & ~mask)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary sibling and an atomic rename (mode 0666 less the umask)."""
+def atomic_write_bytes(path: str | Path, data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` through a temporary sibling and an atomic rename (mode 0666 less the umask).
+    ``durable=False`` skips the fsyncs: the file still survives its writer's crash whole, but not a power cut (for
+    a file rewritten every step, such as a heartbeat, where an fsync would cost more than the file is worth)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
@@ -66,18 +68,20 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
+def atomic_write_text(path: str | Path, text: str, durable: bool = True) -> None:
     """``atomic_write_bytes`` for UTF-8 text."""
-    atomic_write_bytes(path, text.encode("utf-8"))
+    atomic_write_bytes(path, text.encode("utf-8"), durable)
 
 
 def replace_directory(src: str | Path, dst: str | Path) -> None:

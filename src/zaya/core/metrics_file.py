@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from zaya.core.fsutil import loads_json
+from zaya.core.layout import METRICS_FILE
 
 KINDS = ("train", "val")
 
@@ -66,7 +67,7 @@ def step_of(record: dict[str, Any]) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def parse_records(data: bytes, where: str | Path = "metrics.jsonl", strict: bool = False
+def parse_records(data: bytes, where: str | Path = METRICS_FILE, strict: bool = False
                   ) -> Iterator[tuple[int, bytes, dict[str, Any]]]:
     """``(line number, line, record)`` for each line of ``data`` that is a JSON object, in order. A line that is not
     is skipped; with ``strict`` only the last one (a torn write: skipped with a warning), any other is a ValueError

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from zaya.config import ConfigError, ModelConfig, model_config_from_dict, to_dict
+from zaya.core.device import dtype_name
 from zaya.core.errors import CheckpointError
 from zaya.core.fsutil import loads_json
 from zaya.model.checksums import check_listed, verify_checksums, write_checksums
@@ -234,7 +235,7 @@ def hf_config_from_model_config(cfg: ModelConfig, base: dict[str, Any] | None = 
             # left to transformers' defaults stay absent, null token ids stay null, eos lists stay lists).
             out = json.loads(json.dumps(base))
     if dtype is not None:
-        name = str(dtype).removeprefix("torch.")
+        name = dtype_name(dtype)
         if out.get("dtype", out.get("torch_dtype")) != name:
             out["dtype"] = name
             if "torch_dtype" in out:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
+from torch import nn
 
 from zaya.config import ModelConfig
 from zaya.model.zaya import ZayaForCausalLM
 
 BF16_BYTES = 2
+
+
+def parameter_count(parameters: nn.Module | Iterable[torch.Tensor]) -> int:
+    """How many numbers a module (or a list of tensors) holds, each parameter once (a tied one once)."""
+    return sum(p.numel() for p in (parameters.parameters() if isinstance(parameters, nn.Module) else parameters))
 
 
 def forward_flops_per_token(cfg: ModelConfig, context: int) -> dict[str, int]:
@@ -51,7 +57,7 @@ def model_info(cfg: ModelConfig) -> dict[str, Any]:
     """
     with torch.device("meta"):
         model = ZayaForCausalLM(cfg)
-    total = sum(p.numel() for p in model.parameters())
+    total = parameter_count(model)
     embedding = model.embed.weight.numel()
     lm_head = 0 if model.lm_head is None else model.lm_head.weight.numel()
     per_expert = 3 * cfg.hidden_size * cfg.expert_hidden_size

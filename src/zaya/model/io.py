@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from zaya.config import ModelConfig, model_config_from_dict, to_dict
+from zaya.core.device import DTYPES
 from zaya.core.errors import CheckpointError
 from zaya.core import fsutil
 from zaya.core.fsutil import atomic_directory
@@ -39,7 +40,7 @@ ZAYA_META = "zaya.json"
 ZAYA_WEIGHTS = "model.safetensors"
 FORMAT_TAG = "zaya-checkpoint"
 FORMAT_VERSION = 1
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WEIGHT_DTYPES = tuple(DTYPES.values())
 """The dtypes a zaya model's weights may have in a file (what ``zaya export --dtype`` writes)."""
 DAMAGED = "the file is damaged or incomplete: export it again (or download it again)"
 MAX_JSON_BYTES = 64 << 20

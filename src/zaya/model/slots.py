@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from zaya.core.errors import ConfigError
+from zaya.core.units import format_bytes
 from zaya.model.attention import AttentionCache
 from zaya.model.layers import _rms_norm, apply_rotary
 from zaya.model.zaya import DecodeState
@@ -41,9 +42,9 @@ class SlotMemoryError(ConfigError):
 
     def __init__(self, num_slots: int, capacity: int, needed: int, available: int, device: torch.device) -> None:
         self.num_slots, self.capacity, self.needed, self.available = num_slots, capacity, needed, available
-        self.what = (f"{num_slots} slot(s) of {capacity:,} tokens need {needed:,} bytes ({needed / 2**30:,.2f} GiB) "
+        self.what = (f"{num_slots} slot(s) of {capacity:,} tokens need {needed:,} bytes ({format_bytes(needed)}) "
                      f"for their KV cache and CCA state, and {device} has {available:,} bytes "
-                     f"({available / 2**30:,.2f} GiB) available")
+                     f"({format_bytes(available)}) available")
         super().__init__(f"{self.what}: use fewer slots or a shorter context")
 
 

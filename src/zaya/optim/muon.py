@@ -83,6 +83,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
+from zaya.core.device import dtype_name, to_dtype
 from zaya.optim import muon_distributed as md
 from zaya.optim.muon_work import Entry, StepChecks, Task, is_dtensor, local
 from zaya.optim.newton_schulz import (
@@ -132,10 +133,13 @@ def _adjust_lr(lr: float, adjust_lr_fn: str | None, matrix_shape: tuple[int, int
 
 def _dtype_name(dtype: Any) -> str:
     """"bfloat16" or "float32" from a torch.dtype or its name; anything else is refused."""
-    name = str(dtype).removeprefix("torch.")
-    if getattr(torch, name, None) not in NS_DTYPES:
+    try:
+        found = to_dtype(dtype)
+    except ValueError:
+        found = None
+    if found not in NS_DTYPES:
         raise ValueError(f"ns_dtype must be torch.bfloat16 or torch.float32, got {dtype}")
-    return name
+    return dtype_name(found)
 
 
 class Muon(Optimizer):
@@ -249,7 +253,7 @@ class Muon(Optimizer):
             lr = group["lr"]
             lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
             cfg = NSConfig(iteration_coefficients(group["ns_coefficients"], group["ns_steps"]), float(group["eps"]),
-                           getattr(torch, _dtype_name(group["ns_dtype"])), group["ns_method"],
+                           to_dtype(_dtype_name(group["ns_dtype"])), group["ns_method"],
                            tuple(group["gram_restarts"]))
             momentum = group["momentum"]
             for p in group["params"]:
