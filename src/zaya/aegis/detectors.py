@@ -73,9 +73,6 @@ class Finding:
     forced_action: str | None = None
     """An action no policy may override (a config error is not fixed by restarting)."""
 
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
-
 
 # --- end rules: the job has ended -----------------------------------------------------------------------------------
 _TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*$")

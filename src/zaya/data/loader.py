@@ -270,14 +270,6 @@ class DataLoader:
         self._halt()
         self._state = {**state, "counts": dict(state["counts"])}
 
-    @property
-    def tokens_seen(self) -> int:
-        return int(self._state["tokens"])
-
-    @property
-    def current_stage(self) -> Stage:
-        return self.stages[min(self._state["stage"], len(self.stages) - 1)]
-
     # --- batches ----------------------------------------------------------------------------------------------
     def _source(self, name: str, seq_len: int) -> SequenceSource:
         key = (name, seq_len)

@@ -173,11 +173,6 @@ class Runtime:
     def grad_rank(self) -> int:
         return self.rank
 
-    @property
-    def dp_group(self) -> Any:
-        """The data-parallel process group (None in a single process or a hand-made Runtime: the world)."""
-        return self._sizes["dp"][2] if self._sizes else None
-
     def _group(self, over: str) -> Any:
         if over == "world":
             return None

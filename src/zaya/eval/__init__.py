@@ -1,1 +1,2 @@
-"""Evaluation: validation loss and perplexity on prepared data (lm-eval-harness comes later)."""
+"""Evaluation: validation loss and perplexity on prepared data (``perplexity``), and lm-eval-harness tasks run
+through serve's engine (``harness``)."""
