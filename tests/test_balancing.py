@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zaya.config import ModelConfig
+from model_helpers import tiny_config, tiny_model
 from zaya.distributed.checks import HostReads
 from zaya.model import ZayaForCausalLM, update_balancing_biases
 
-CFG = dict(vocab_size=32, hidden_size=16, num_layers=3, num_query_heads=2, num_kv_heads=2, head_dim=8,
-           num_experts=4, expert_hidden_size=8, router_hidden_size=8, router_balance_lr=0.01,
-           router_balancing="adamw")
+CFG = dict(vocab_size=32, hidden_size=16, num_query_heads=2, head_dim=8, expert_hidden_size=8, router_hidden_size=8,
+           router_balance_lr=0.01, router_balancing="adamw")
 
 
 def routers(model):
@@ -54,9 +53,8 @@ def test_update_with_summed_counts_equals_the_host_side_math(monkeypatch):
         raise AssertionError("update_balancing_biases ran a collective")
 
     monkeypatch.setattr(dist, "all_reduce", no_collectives)
-    torch.manual_seed(0)
-    got = ZayaForCausalLM(ModelConfig(**CFG))
-    want = ZayaForCausalLM(ModelConfig(**CFG))
+    got = tiny_model(**CFG)
+    want = ZayaForCausalLM(tiny_config(**CFG))
     want.load_state_dict(got.state_dict())
     g = torch.Generator().manual_seed(0)
     for step in range(60):
@@ -76,8 +74,7 @@ def test_update_with_summed_counts_equals_the_host_side_math(monkeypatch):
 
 
 def test_skip_bias_is_untouched_and_overloaded_expert_pushed_down():
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(ModelConfig(**CFG))
+    model = tiny_model(**CFG)
     before = [r.balancing_biases.clone() for r in routers(model)]
     counts = torch.tensor([[10, 2, 2, 2, 5], [4, 4, 4, 4, 9], [1, 2, 3, 4, 0]])
     imbalance = update_balancing_biases(model, counts)
@@ -86,7 +83,7 @@ def test_skip_bias_is_untouched_and_overloaded_expert_pushed_down():
         assert a[4] == b[4] == -1.0  # the skip class's bias
     assert after[0][0] < 0 < after[0][1]
     assert torch.equal(after[1], before[1])  # balanced: g = 0
-    lr, eps = CFG["router_balance_lr"], ModelConfig(**CFG).router_balance_eps
+    lr, eps = CFG["router_balance_lr"], tiny_config(**CFG).router_balance_eps
     g = torch.tensor([0.1, 0.2, 0.3, 0.4]) - 0.25
     torch.testing.assert_close(after[2][:4], -lr * g / (g.abs() + eps))  # first Adam step: -lr * sign(g)
     assert math.isclose(float(imbalance[0]), 10 / 16 * 4, rel_tol=1e-6)
@@ -95,8 +92,7 @@ def test_skip_bias_is_untouched_and_overloaded_expert_pushed_down():
 
 @pytest.mark.parametrize("rule", ["adaptive", "adamw"])
 def test_layer_with_no_routed_tokens_is_left_unchanged(rule):
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(ModelConfig(**{**CFG, "router_balancing": rule}))
+    model = tiny_model(**{**CFG, "router_balancing": rule})
     update_balancing_biases(model, torch.tensor([[9, 1, 3, 3, 0]] * 3))  # moments and steps away from zero
     state = {k: v.clone() for k, v in model.state_dict().items() if "balanc" in k}
     imbalance = update_balancing_biases(model, torch.tensor([[5, 1, 1, 1, 2], [0, 0, 0, 0, 7], [0, 0, 0, 0, 0]]))
@@ -133,7 +129,7 @@ def reference_adaptive(router, counts: torch.Tensor, cfg: ModelConfig) -> None:
 
 def test_adaptive_update_equals_the_per_expert_reference_and_reads_nothing():
     torch.manual_seed(0)
-    cfg = ModelConfig(**ADAPTIVE)
+    cfg = tiny_config(**ADAPTIVE)
     got, want = ZayaForCausalLM(cfg), ZayaForCausalLM(cfg)
     want.load_state_dict(got.state_dict())
     g = torch.Generator().manual_seed(1)
@@ -153,7 +149,7 @@ def test_adaptive_update_equals_the_per_expert_reference_and_reads_nothing():
 
 
 def test_adaptive_step_is_scaled_by_the_error_and_halves_on_a_sign_change():
-    model = ZayaForCausalLM(ModelConfig(**ADAPTIVE))
+    model = ZayaForCausalLM(tiny_config(**ADAPTIVE))
     router = routers(model)[0]
     update_balancing_biases(model, torch.tensor([[8, 4, 2, 2, 0], [4, 4, 4, 4, 0], [4, 4, 4, 4, 0]]))
     # errors E*f - 1 = [1, 0, -0.5, -0.5]: steps of 1e-3 scaled by the error
@@ -167,7 +163,7 @@ def test_adaptive_step_is_scaled_by_the_error_and_halves_on_a_sign_change():
 def near_uniform_router_run(rule: str, steps: int = 300, tokens: int = 2048) -> list[float]:
     """Balancing against an untrained router: fixed expert preferences and per-token probabilities that differ by
     about 1e-3 (what the tiny model's routers give at the start), fresh tokens every step."""
-    cfg = ModelConfig(**{**CFG, "num_layers": 1, "num_experts": 8, "router_skip_expert": False,
+    cfg = tiny_config(**{**CFG, "num_layers": 1, "num_experts": 8, "router_skip_expert": False,
                          "router_balancing": rule, "router_balance_lr": 1e-2})
     model = ZayaForCausalLM(cfg)
     router = routers(model)[0]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections import Counter
 from pathlib import Path
 
@@ -15,25 +14,14 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from data_helpers import consecutive_documents, split_windows, write_dataset
+from dist_helpers import run_ok
+from model_helpers import tiny_config
 
 SEQ, MICRO = 8, 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def model_config():
-    from zaya.config import ModelConfig
-
-    return ModelConfig(vocab_size=512, eos_token_id=2, hidden_size=64, num_layers=2, num_query_heads=2,
-                       num_kv_heads=2, head_dim=32, num_experts=4, expert_hidden_size=96, router_hidden_size=32,
-                       max_seq_len=64)
+MODEL = tiny_config(vocab_size=512, eos_token_id=2, hidden_size=64, num_layers=2, num_query_heads=2, head_dim=32,
+                    expert_hidden_size=96, router_hidden_size=32)
 
 
 def build(mode: str, rank: int, world: int, seed: int):
@@ -45,7 +33,7 @@ def build(mode: str, rank: int, world: int, seed: int):
     from zaya.optim.build import ParamSplit, build_optimizers, split_parameters
 
     torch.manual_seed(seed)
-    model = ZayaForCausalLM(model_config())
+    model = ZayaForCausalLM(MODEL)
     rt = Runtime(rank, world, rank, torch.device("cpu"), world > 1)
     par = wrap(model, mode, rt)
     split = split_parameters(model, True)
@@ -197,21 +185,17 @@ def load_phase(rank: int, world: int, mode: str, root: str, data: str, ram: bool
     store.close()
 
 
-def _entry(rank: int, world: int, port: int, phase: str, *args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        (save_phase if phase == "save" else load_phase)(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+def in_group(rank: int, world: int, fn, *args):
+    dist.init_process_group("gloo")
+    return fn(rank, world, *args)
 
 
-def launch(world: int, phase: str, *args) -> None:
+def launch(world: int, fn, *args) -> None:
+    """``fn(rank, world, *args)`` on ``world`` gloo ranks, or in this process for one."""
     if world == 1:
-        (save_phase if phase == "save" else load_phase)(0, 1, *args)
+        fn(0, 1, *args)
     else:
-        mp.spawn(_entry, args=(world, free_port(), phase, *args), nprocs=world, join=True)
+        run_ok(in_group, world, fn, *args)
 
 
 @pytest.fixture(scope="module")
@@ -227,9 +211,9 @@ def data(tmp_path_factory) -> str:
 @pytest.mark.parametrize("saved_as, loaded_as", [("fsdp", ("zero1", "ddp")), ("zero1", ("fsdp", "ddp"))])
 def test_save_at_4_ranks_load_at_2_and_1(tmp_path, data, saved_as, loaded_as):
     root = str(tmp_path)
-    launch(4, "save", saved_as, root, data, False)
-    launch(2, "load", loaded_as[0], root, data, False, "disk")
-    launch(1, "load", loaded_as[1], root, data, False, "disk")
+    launch(4, save_phase, saved_as, root, data, False)
+    launch(2, load_phase, loaded_as[0], root, data, False, "disk")
+    launch(1, load_phase, loaded_as[1], root, data, False, "disk")
 
 
 def ram_phase(rank: int, world: int, root: str, data: str) -> None:
@@ -247,7 +231,7 @@ def ram_phase(rank: int, world: int, root: str, data: str) -> None:
 
 
 def test_ram_tier_restores_replicated_state_and_fsdp_shards_at_the_same_world_size(tmp_path, data):
-    mp.spawn(_entry_fn, args=(2, free_port(), ram_phase, str(tmp_path), data), nprocs=2, join=True)
+    launch(2, ram_phase, str(tmp_path), data)
 
 
 def uneven_async_phase(rank: int, world: int, root: str) -> None:
@@ -279,16 +263,6 @@ def uneven_async_phase(rank: int, world: int, root: str) -> None:
 
 
 def test_async_saves_stay_in_step_when_ranks_finish_at_different_times(tmp_path):
-    mp.spawn(_entry_fn, args=(2, free_port(), uneven_async_phase, str(tmp_path)), nprocs=2, join=True)
+    launch(2, uneven_async_phase, str(tmp_path))
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert names == ["step-00000001", "step-00000002"]
-
-
-def _entry_fn(rank: int, world: int, port: int, fn, *args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model_helpers import MODEL_VARIANTS, perturb, tiny_config, tiny_model
 from zaya.config import ModelConfig
 from zaya.model import ZayaForCausalLM, update_balancing_biases
 from zaya.model.attention import Attention
@@ -19,29 +20,6 @@ from zaya.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from zaya.model.moe import Experts, MoEBlock, grouped_mm_supported
 from zaya.model.router import LinearRouter, ZayaRouter
 from zaya.serve.generate import generate
-
-
-def tiny_config(**overrides) -> ModelConfig:
-    values = dict(vocab_size=97, hidden_size=48, num_layers=3, num_query_heads=4, num_kv_heads=2, head_dim=16,
-                  num_experts=4, top_k=1, expert_hidden_size=32, router_hidden_size=16, max_seq_len=64)
-    values.update(overrides)
-    return ModelConfig(**values)
-
-
-@torch.no_grad()
-def perturb(module: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> None:
-    """Move every parameter and float buffer away from its init so that wiring mistakes show."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in list(module.named_parameters()) + list(module.named_buffers()):
-        if not p.is_floating_point() or name.endswith("inv_freq") or "balance_" in name:
-            continue
-        noise = torch.randn(p.shape, generator=g) * scale
-        if name.endswith(("scale", "weight")) and p.dim() == 1 or name.endswith("temperature"):
-            p.copy_(1.0 + noise)
-        elif name.endswith("balancing_biases"):
-            p.copy_(noise * 0.3)
-        else:
-            p.add_(noise * p.abs().mean().clamp_min(0.02))
 
 
 # ----------------------------------------------------------------------------------------------- layers
@@ -333,19 +311,9 @@ def test_balancing_reduces_imbalance_over_steps(rule):
 
 
 # ----------------------------------------------------------------------------------------------- whole model
-MODEL_VARIANTS = [
-    dict(),
-    dict(top_k=2, num_experts=5),
-    dict(attention="gqa", router="linear"),
-    dict(attention="mha", num_kv_heads=4, router_eda=False, router_skip_expert=False),
-    dict(residual_fp32=False, tie_embeddings=False),
-]
-
-
 @pytest.mark.parametrize("overrides", MODEL_VARIANTS)
 def test_gradient_reaches_every_parameter(overrides):
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(tiny_config(**overrides))
+    model = tiny_model(**overrides)
     perturb(model)
     for b in model.blocks:
         b.moe.router.reset_balancing()  # skip class at -1: experts get the tokens
@@ -361,8 +329,7 @@ def test_raw_gradients_have_their_parameters_strides():
     """The gradients autograd hands to each parameter (before AccumulateGrad re-lays them out) keep the parameter's
     strides. DDP's reducer and FSDP take those raw gradients: one laid out otherwise (the CCA convolutions run
     channels-last) makes DDP warn "Grad strides do not match bucket view strides" and copy it on every step."""
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(tiny_config(cca_grouped_kernel=3))
+    model = tiny_model(cca_grouped_kernel=3)
     perturb(model)
     ids = torch.randint(0, 97, (2, 20))
     names, params = zip(*model.named_parameters())
@@ -374,8 +341,7 @@ def test_raw_gradients_have_their_parameters_strides():
 
 @pytest.mark.parametrize("overrides", MODEL_VARIANTS)
 def test_decode_equals_full_forward(overrides):
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(tiny_config(**overrides)).eval()
+    model = tiny_model(**overrides).eval()
     perturb(model, seed=3)
     ids = torch.randint(0, 97, (3, 20))
     with torch.no_grad():
@@ -388,8 +354,7 @@ def test_decode_equals_full_forward(overrides):
 
 
 def test_decode_equals_forward_with_left_padding():
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(tiny_config()).eval()
+    model = tiny_model().eval()
     perturb(model, seed=4)
     ids = torch.randint(1, 97, (3, 14))
     mask = torch.ones(3, 14, dtype=torch.long)
@@ -410,8 +375,7 @@ def test_decode_equals_forward_with_left_padding():
 
 
 def test_generate_is_reproducible_and_greedy_matches_argmax():
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(tiny_config()).eval()
+    model = tiny_model().eval()
     perturb(model, seed=5)
     prompt = torch.randint(0, 97, (2, 5))
     a = generate(model, prompt, 6, temperature=0.9, top_k=10, top_p=0.9, seed=7)
@@ -452,8 +416,7 @@ def test_generate_eos_stop_checked_every_16_tokens_gives_the_same_output():
     from zaya.distributed.checks import HostReads
     from zaya.serve.sampling import EOS_CHECK_EVERY
 
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(tiny_config(num_layers=2)).eval()
+    model = tiny_model(num_layers=2).eval()
     perturb(model, seed=5)
     prompt = torch.randint(0, 97, (2, 4), generator=torch.Generator().manual_seed(2))
     n = EOS_CHECK_EVERY + 4
@@ -490,7 +453,7 @@ def test_sampling_respects_top_k_and_top_p():
 
 
 def test_residual_stream_is_fp32_with_bf16_weights():
-    model = ZayaForCausalLM(tiny_config()).to(torch.bfloat16)
+    model = tiny_model().to(torch.bfloat16)
     seen = []
     model.blocks[1].register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
     out = model(torch.randint(0, 97, (1, 6)))
@@ -498,7 +461,7 @@ def test_residual_stream_is_fp32_with_bf16_weights():
 
 
 def test_forward_rejects_bad_inputs():
-    model = ZayaForCausalLM(tiny_config())
+    model = tiny_model()
     with pytest.raises(ValueError, match="id 200, outside \\[0, vocab_size=97\\)"):
         model.check_input_ids(torch.tensor([[1, 200]]))
     with pytest.raises(ValueError, match="id -3, outside"):

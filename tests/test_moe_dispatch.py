@@ -13,15 +13,15 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from dist_helpers import run_ok
+from model_helpers import tiny_config, tiny_model
 from zaya.config import ModelConfig
 from zaya.distributed.checks import ExplicitDevices, HostReads
 from zaya.model import ZayaForCausalLM
@@ -32,11 +32,7 @@ pytestmark = pytest.mark.skipif(not grouped_mm_supported(torch.device("cpu"), to
 
 
 def small_config(**overrides) -> ModelConfig:
-    values = dict(vocab_size=97, hidden_size=48, num_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=16,
-                  num_experts=4, top_k=1, expert_hidden_size=32, router_hidden_size=16, max_seq_len=64,
-                  moe_impl="grouped_mm")
-    values.update(overrides)
-    return ModelConfig(**values)
+    return tiny_config(**{"num_layers": 2, "moe_impl": "grouped_mm", **overrides})
 
 
 def skipping_model(cfg: ModelConfig, seed: int = 0) -> ZayaForCausalLM:
@@ -224,44 +220,34 @@ def test_moe_block_counts_match_bincount_without_padding():
 
 
 # ----------------------------------------------------------------------------------------------- DDP, all skipped
-DDP_CFG = dict(vocab_size=64, hidden_size=32, num_layers=2, num_query_heads=2, num_kv_heads=2, head_dim=16,
-               num_experts=4, top_k=1, expert_hidden_size=16, router_hidden_size=8, max_seq_len=32)
+DDP_CFG = dict(vocab_size=64, hidden_size=32, num_layers=2, num_query_heads=2, expert_hidden_size=16,
+               router_hidden_size=8, max_seq_len=32)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank: int, world: int, port: int, result: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        torch.set_num_threads(1)
-        for impl in ("grouped_mm", "loop"):
-            torch.manual_seed(0)
-            cfg = ModelConfig(**DDP_CFG, moe_impl=impl)
-            model = ZayaForCausalLM(cfg)
-            if rank == 1:
-                with torch.no_grad():
-                    for block in model.blocks:  # this rank routes every token of every layer to the skip class
-                        block.moe.router.balancing_biases[cfg.num_experts] = 100.0
-            # broadcast_buffers=False: the balancing biases are rank-local buffers, not synced at init either.
-            ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-            g = torch.Generator().manual_seed(rank)
-            skipped = []
-            for _ in range(2):
-                ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
-                out = ddp(ids, labels=ids.roll(-1, 1))
-                out.loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                skipped.append(bool((out.tokens_per_expert[:, : cfg.num_experts] == 0).all()))
-            result[(rank, impl)] = ({n: p.detach().clone() for n, p in model.named_parameters()}, skipped)
-    finally:
-        dist.destroy_process_group()
+def _ddp_worker(rank: int, world: int) -> dict:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    result = {}
+    for impl in ("grouped_mm", "loop"):
+        model = tiny_model(**DDP_CFG, moe_impl=impl)
+        cfg = model.config
+        if rank == 1:
+            with torch.no_grad():
+                for block in model.blocks:  # this rank routes every token of every layer to the skip class
+                    block.moe.router.balancing_biases[cfg.num_experts] = 100.0
+        # broadcast_buffers=False: the balancing biases are rank-local buffers, not synced at init either.
+        ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(rank)
+        skipped = []
+        for _ in range(2):
+            ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=g)
+            out = ddp(ids, labels=ids.roll(-1, 1))
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            skipped.append(bool((out.tokens_per_expert[:, : cfg.num_experts] == 0).all()))
+        result[impl] = ({n: p.detach().clone() for n, p in model.named_parameters()}, skipped)
+    return result
 
 
 @pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated")
@@ -269,15 +255,10 @@ def test_ddp_with_a_rank_that_skips_every_token():
     """Both impls. Before the static-shape dispatch, the all-skip rank's experts (and its routers' MLPs) got no
     gradient and DDP failed on that rank's second step ("Expected to have finished reduction in the prior
     iteration")."""
-    world = 2
-    with mp.Manager() as manager:
-        result = manager.dict()
-        mp.spawn(_ddp_worker, args=(world, _free_port(), result), nprocs=world, join=True)
-        result = dict(result)
-    torch.manual_seed(0)
-    init = dict(ZayaForCausalLM(ModelConfig(**DDP_CFG)).named_parameters())
+    rank0, rank1 = run_ok(_ddp_worker, 2)
+    init = dict(tiny_model(**DDP_CFG).named_parameters())
     for impl in ("grouped_mm", "loop"):
-        (params0, skipped0), (params1, skipped1) = result[(0, impl)], result[(1, impl)]
+        (params0, skipped0), (params1, skipped1) = rank0[impl], rank1[impl]
         assert skipped1 == [True, True] and skipped0 == [False, False], impl
         for name, p in params0.items():
             assert torch.equal(p, params1[name]), (impl, name)

@@ -11,15 +11,13 @@
 
 from __future__ import annotations
 
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from dist_helpers import run_ok
 from zaya.distributed.checks import HostReads
 from zaya.optim import Muon, newton_schulz
 from zaya.optim.muon_distributed import assign, chunk_sizes
@@ -30,12 +28,6 @@ KW = dict(lr=0.05, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw
 # large experts (one at a time, Gram iteration): 3 + 1 + 2 + 1 + 2 = 9 matrices.
 DDP_SHAPES = [(3, 12, 20), (40, 12), (16, 24), (16, 24), (130, 600), (2, 256, 640)]
 DDP_MATRICES = 9
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ddp_params():
@@ -101,66 +93,61 @@ def fsdp_train(model, distributed: str = "auto", steps: int = 2, ns_dtype=torch.
     return opt, counts, reads
 
 
-def _worker(rank: int, world: int, port: int, result) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # the ranks share the cores; the work is tiny
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import DTensor, Shard
+def _worker(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
 
-        out = {}
-        out["ddp"], out["ddp_counts"], out["ddp_reads"], _ = ddp_train(dist.group.WORLD)
-        real_check = newton_schulz.drift_flags
-        newton_schulz.drift_flags = first_element_positive
+    dist.init_process_group("gloo")
+    out = {}
+    out["ddp"], out["ddp_counts"], out["ddp_reads"], _ = ddp_train(dist.group.WORLD)
+    real_check = newton_schulz.drift_flags
+    newton_schulz.drift_flags = first_element_positive
+    try:
+        fix = ddp_train(dist.group.WORLD, ns_dtype=torch.float32)
+        out["ddp_fix"], _, out["ddp_fix_reads"], out["ddp_fix_fallbacks"] = fix
+    finally:
+        newton_schulz.drift_flags = real_check
+
+    # The trainer's choice (build_optimizers): plain parameters are split over the replica group it passes
+    # (DDP's), not without one (ZeRO-1's per-rank subsets), and nothing is split when configured "local".
+    from zaya.config import OptimConfig
+    from zaya.optim.build import ParamSplit, build_optimizers
+
+    named = [(f"w{i}", p) for i, p in enumerate(ddp_params())]
+    ddp = build_optimizers(ParamSplit(named, [], []), OptimConfig(), replica_group=dist.group.WORLD)[0]
+    assert ddp.distributed == "auto" and ddp._replicas() is dist.group.WORLD
+    zero1 = build_optimizers(ParamSplit(named[rank::world], [], []), OptimConfig())[0]
+    assert zero1.distributed == "auto" and zero1._replicas() is None
+    local = build_optimizers(ParamSplit(named, [], []), OptimConfig(muon_distributed="local"),
+                             replica_group=dist.group.WORLD)[0]
+    assert local.distributed == "local" and local._replicas() is None
+
+    mesh = init_device_mesh("cpu", (world,))
+    for mode, ns_dtype, check in (("auto", torch.float32, ""), ("auto", torch.bfloat16, ""),
+                                  ("local", torch.bfloat16, ""), ("auto", torch.float32, "fix"),
+                                  ("local", torch.float32, "fix")):
+        torch.manual_seed(0)
+        model = Tiny()
+        fully_shard(model, mesh=mesh)
+        if check:
+            newton_schulz.drift_flags = first_element_positive
         try:
-            fix = ddp_train(dist.group.WORLD, ns_dtype=torch.float32)
-            out["ddp_fix"], _, out["ddp_fix_reads"], out["ddp_fix_fallbacks"] = fix
+            opt, counts, reads = fsdp_train(model, mode, ns_dtype=ns_dtype)
         finally:
             newton_schulz.drift_flags = real_check
-
-        # The trainer's choice (build_optimizers): plain parameters are split over the replica group it passes
-        # (DDP's), not without one (ZeRO-1's per-rank subsets), and nothing is split when configured "local".
-        from zaya.config import OptimConfig
-        from zaya.optim.build import ParamSplit, build_optimizers
-
-        named = [(f"w{i}", p) for i, p in enumerate(ddp_params())]
-        ddp = build_optimizers(ParamSplit(named, [], []), OptimConfig(), replica_group=dist.group.WORLD)[0]
-        assert ddp.distributed == "auto" and ddp._replicas() is dist.group.WORLD
-        zero1 = build_optimizers(ParamSplit(named[rank::world], [], []), OptimConfig())[0]
-        assert zero1.distributed == "auto" and zero1._replicas() is None
-        local = build_optimizers(ParamSplit(named, [], []), OptimConfig(muon_distributed="local"),
-                                 replica_group=dist.group.WORLD)[0]
-        assert local.distributed == "local" and local._replicas() is None
-
-        mesh = init_device_mesh("cpu", (world,))
-        for mode, ns_dtype, check in (("auto", torch.float32, ""), ("auto", torch.bfloat16, ""),
-                                      ("local", torch.bfloat16, ""), ("auto", torch.float32, "fix"),
-                                      ("local", torch.float32, "fix")):
-            torch.manual_seed(0)
-            model = Tiny()
-            fully_shard(model, mesh=mesh)
-            if check:
-                newton_schulz.drift_flags = first_element_positive
-            try:
-                opt, counts, reads = fsdp_train(model, mode, ns_dtype=ns_dtype)
-            finally:
-                newton_schulz.drift_flags = real_check
-            mode = f"{mode}_{str(ns_dtype)[6:]}" + (f"_{check}" if check else "")
-            out[f"fsdp_{mode}_reads"] = reads
-            out[f"fsdp_{mode}_fallbacks"] = opt.gram_fallbacks
-            for name, p in model.named_parameters():
-                buf = opt.state[p]["momentum_buffer"]
-                assert isinstance(p, DTensor) and isinstance(buf, DTensor), name
-                assert p.placements == (Shard(0),) and buf.placements == p.placements, name
-                assert buf.to_local().shape == p.to_local().shape, name
-                assert p.to_local().shape[0] == chunk_sizes(p.shape[0], world)[rank], name
-            out[f"fsdp_{mode}"] = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
-            out[f"fsdp_{mode}_counts"] = counts
-        result[rank] = out
-    finally:
-        dist.destroy_process_group()
+        mode = f"{mode}_{str(ns_dtype)[6:]}" + (f"_{check}" if check else "")
+        out[f"fsdp_{mode}_reads"] = reads
+        out[f"fsdp_{mode}_fallbacks"] = opt.gram_fallbacks
+        for name, p in model.named_parameters():
+            buf = opt.state[p]["momentum_buffer"]
+            assert isinstance(p, DTensor) and isinstance(buf, DTensor), name
+            assert p.placements == (Shard(0),) and buf.placements == p.placements, name
+            assert buf.to_local().shape == p.to_local().shape, name
+            assert p.to_local().shape[0] == chunk_sizes(p.shape[0], world)[rank], name
+        out[f"fsdp_{mode}"] = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+        out[f"fsdp_{mode}_counts"] = counts
+    return out
 
 
 def fsdp_reference():
@@ -212,10 +199,7 @@ def _single_process():
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_muon_matches_single_process(world, single_process):
     ddp_ref, fsdp_ref = single_process["ddp"], single_process["fsdp"]
-    with mp.Manager() as manager:
-        result = manager.dict()
-        mp.spawn(_worker, args=(world, free_port(), result), nprocs=world, join=True)
-        got = [dict(result[r]) for r in range(world)]
+    got = run_ok(_worker, world)
 
     # DDP: every rank applies the same broadcast updates to the same params; each matrix was orthogonalised by
     # one rank with the single-process code on the same input, so the result is bit-identical.

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from zaya.config import ModelConfig
+from model_helpers import tiny_config, tiny_model
 from zaya.distributed.checks import HostReads
 from zaya.model import ZayaForCausalLM
 from zaya.model.moe import switch_balancing_loss
@@ -16,8 +16,7 @@ from zaya.model.router import routers_of
 from zaya.train.metrics import expert_load_stats
 from zaya.train.routing_probe import RoutingProbe
 
-CFG = dict(vocab_size=64, hidden_size=32, num_layers=2, num_query_heads=2, num_kv_heads=2, head_dim=16,
-           num_experts=4, expert_hidden_size=16, router_hidden_size=16, max_seq_len=32)
+CFG = dict(vocab_size=64, hidden_size=32, num_layers=2, num_query_heads=2, expert_hidden_size=16, max_seq_len=32)
 
 
 def test_load_stats_per_layer_against_hand_computed_values():
@@ -33,8 +32,7 @@ def test_load_stats_per_layer_against_hand_computed_values():
 
 
 def test_probe_flip_rate_counts_tokens_whose_top_choice_moved():
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(ModelConfig(**CFG, router_skip_expert=False))
+    model = tiny_model(**CFG, router_skip_expert=False)
     ids = torch.randint(0, 64, (1, 32))
     probe = RoutingProbe(ids, num_layers=2)
     routers = routers_of(model)
@@ -68,9 +66,9 @@ def test_switch_loss_is_one_when_uniform_and_leaves_padding_out():
 def test_model_returns_the_aux_loss_only_when_asked_and_training():
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 16))
-    plain = ZayaForCausalLM(ModelConfig(**CFG))
+    plain = ZayaForCausalLM(tiny_config(**CFG))
     assert plain(ids, labels=ids).aux_loss is None
-    model = ZayaForCausalLM(ModelConfig(**CFG, router="linear", router_aux_loss_coef=0.01,
+    model = ZayaForCausalLM(tiny_config(**CFG, router="linear", router_aux_loss_coef=0.01,
                                         router_balancing="none"))
     out = model(ids, labels=ids)
     assert out.aux_loss is not None and 0.01 * 2 * 0.99 < float(out.aux_loss.detach()) < 0.01 * 2 * 4
@@ -125,7 +123,7 @@ def test_weights_saved_before_the_adaptive_rule_existed_still_load():
     from zaya.model.io import build_from_state_dict
 
     torch.manual_seed(0)
-    cfg = ModelConfig(**CFG)
+    cfg = tiny_config(**CFG)
     model = ZayaForCausalLM(cfg)
     with torch.no_grad():
         for router in routers_of(model):

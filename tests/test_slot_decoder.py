@@ -6,15 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_model import MODEL_VARIANTS, perturb, tiny_config
-from zaya.model import ZayaForCausalLM
+from model_helpers import MODEL_VARIANTS, perturb, tiny_model
 from zaya.model.slots import SlotDecoder
 
 
 @pytest.mark.parametrize("overrides", MODEL_VARIANTS)
 def test_step_with_rows_at_different_positions_equals_the_forward(overrides):
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(tiny_config(**overrides)).eval()
+    model = tiny_model(**overrides).eval()
     perturb(model, seed=7)
     lengths = [3, 11, 6, 8]  # prompt length per slot; slot 2 stays idle during the steps below
     seqs = [torch.randint(0, 97, (n + 4,), generator=torch.Generator().manual_seed(i)) for i, n in enumerate(lengths)]
@@ -52,8 +50,7 @@ def test_step_with_rows_at_different_positions_equals_the_forward(overrides):
 @pytest.mark.parametrize("overrides", MODEL_VARIANTS[:2])
 def test_aligned_step_without_a_mask_equals_the_forward(overrides):
     """``aligned``: every row at the same position (a fixed batch without padding), so the step drops the mask."""
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(tiny_config(**overrides)).eval()
+    model = tiny_model(**overrides).eval()
     perturb(model, seed=8)
     ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(3))
     decoder = SlotDecoder(model, num_slots=3, capacity=16)

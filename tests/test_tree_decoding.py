@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dist_helpers import free_port, run_ranks
-from test_model import perturb, tiny_config
+from model_helpers import perturb, tiny_config, tiny_model
 from zaya.cli import main
 from zaya.distributed.runtime import Runtime
 from zaya.serve.tree import (METHODS, ShardedDecoder, local_attention, merge_pieces, pack, slice_bounds,
@@ -51,8 +51,7 @@ def _one_thread():
 
 
 def build_model(overrides: dict, seed: int = 3) -> ZayaForCausalLM:
-    torch.manual_seed(0)
-    model = ZayaForCausalLM(tiny_config(**overrides)).eval()
+    model = tiny_model(**overrides).eval()
     perturb(model, seed=seed)
     return model
 
