@@ -3,33 +3,26 @@ on a free loopback port in a background thread."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import torch
 
-from zaya.config import ModelConfig
+from dist_helpers import free_port
+from model_helpers import tiny_model
 from zaya.model import ZayaForCausalLM
 
 
-def tiny_model(vocab_size: int = 512, max_seq_len: int = 128, seed: int = 0) -> ZayaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab_size, eos_token_id=2, hidden_size=64, num_layers=2, num_query_heads=4,
-                      num_kv_heads=2, head_dim=16, num_experts=4, top_k=1, expert_hidden_size=64,
-                      router_hidden_size=16, max_seq_len=max_seq_len)
-    model = ZayaForCausalLM(cfg).eval()
-    with torch.no_grad():  # away from init, so that tokens differ from position to position
+def served_model(vocab_size: int = 512, max_seq_len: int = 128, seed: int = 0) -> ZayaForCausalLM:
+    """The tiny model on the 512-entry tokenizer's ids (eos 2), in eval mode and moved away from its init, so that
+    tokens differ from position to position."""
+    model = tiny_model(seed, vocab_size=vocab_size, max_seq_len=max_seq_len, eos_token_id=2, hidden_size=64,
+                       num_layers=2, expert_hidden_size=64).eval()
+    with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     return model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

@@ -27,6 +27,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.zaya")
 
+from model_helpers import tiny_model  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import ZayaConfig  # noqa: E402
@@ -35,7 +36,7 @@ from transformers import ZayaForCausalLM as HFZaya  # noqa: E402
 import zaya  # noqa: E402
 import zaya.model.hf as zhf  # noqa: E402
 import zaya.model.io as zio  # noqa: E402
-from zaya.config import ConfigError, ModelConfig  # noqa: E402
+from zaya.config import ConfigError  # noqa: E402
 from zaya.model import ZayaForCausalLM  # noqa: E402
 
 TOL = 1e-4
@@ -302,12 +303,10 @@ def test_hf_zaya_hf_round_trip_is_bit_exact(tmp_path, dtype):
 
 def native_zaya_model(dtype: torch.dtype = torch.float32) -> ZayaForCausalLM:
     """A zaya-made model with non-default zaya-only options and state (moment estimates, step count)."""
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=8,
-                      num_experts=3, expert_hidden_size=16, router_hidden_size=8, max_seq_len=32,
-                      router_balance_lr=3e-3, router_skip_bias_init=-0.5, qk_temperature_init=2.0, moe_impl="loop",
-                      residual_fp32=False, rope_theta=12345.0, init_std=0.03, eos_token_id=7)
-    torch.manual_seed(3)
-    model = ZayaForCausalLM(cfg)
+    model = tiny_model(3, vocab_size=VOCAB, hidden_size=32, num_layers=2, head_dim=8, num_experts=3,
+                       expert_hidden_size=16, router_hidden_size=8, max_seq_len=32, router_balance_lr=3e-3,
+                       router_skip_bias_init=-0.5, qk_temperature_init=2.0, moe_impl="loop", residual_fp32=False,
+                       rope_theta=12345.0, init_std=0.03, eos_token_id=7)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from serve_helpers import ServerThread, post_json, tiny_model
+from serve_helpers import ServerThread, post_json, served_model
 from zaya.serve.generate import generate
 
 
@@ -25,7 +25,7 @@ def server(shakespeare_dataset):
     from zaya.serve.server import build_app
 
     tok = Tokenizer.from_file(shakespeare_dataset / "tokenizer.json")
-    model = tiny_model(vocab_size=512, max_seq_len=64)
+    model = served_model(vocab_size=512, max_seq_len=64)
     engine = Engine(model, num_slots=4, capacity=64, decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
     with ServerThread(build_app(engine, tok, model_name="tiny")) as url:
         yield url, tok, model
@@ -129,7 +129,7 @@ def guarded(shakespeare_dataset):
         time.sleep(0.01)
         return tok.decode(ids, skip_special_tokens=True)
 
-    engine = Engine(tiny_model(vocab_size=512, max_seq_len=128), num_slots=4, capacity=128, decode=slow_decode)
+    engine = Engine(served_model(vocab_size=512, max_seq_len=128), num_slots=4, capacity=128, decode=slow_decode)
     submitted = []
     submit = engine.submit
     engine.submit = lambda r: (submitted.append(r), submit(r))[1]

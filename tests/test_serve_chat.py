@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from serve_helpers import ServerThread, post_json, tiny_model
+from serve_helpers import ServerThread, post_json, served_model
 
 MISTRAL_LIKE = (
     "{{ bos_token }}{%- set ns = namespace(system='') -%}"
@@ -193,7 +193,7 @@ def test_the_server_with_a_hostile_template(tmp_path, shakespeare_dataset, monke
                 "{% endfor %}{% endfor %}{% elif messages|length > 1 %}{{ raise_exception('one message only') }}"
                 "{% else %}{{ bos_token }}U: {{ messages[0]['content'] }}\nA:{% endif %}")
     tok = _tokenizer_dir(tmp_path, shakespeare_dataset, template)
-    engine = Engine(tiny_model(vocab_size=512, max_seq_len=64), num_slots=2, capacity=64,
+    engine = Engine(served_model(vocab_size=512, max_seq_len=64), num_slots=2, capacity=64,
                     decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
     with ServerThread(build_app(engine, tok, "tiny", limits=ServeLimits(template_timeout=1.0))) as url:
         chat = f"{url}/v1/chat/completions"

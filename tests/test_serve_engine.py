@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_helpers import tiny_model
+from serve_helpers import served_model
 from zaya.serve.engine import ContextLengthError, Engine
 from zaya.serve.generate import generate
 from zaya.serve.request import Request
@@ -30,7 +30,7 @@ def _requests() -> list[Request]:
 
 
 def test_concurrent_requests_equal_one_at_a_time():
-    model = tiny_model()
+    model = served_model()
     # 2 slots for 5 requests: they queue, join as others leave, and prefill in chunks of 8 between decode steps
     batched = Engine(model, num_slots=2, capacity=64, prefill_chunk=8).run(_requests())
     for got, want in zip(batched, _requests()):
@@ -44,7 +44,7 @@ def test_concurrent_requests_equal_one_at_a_time():
 
 
 def test_greedy_output_and_logprobs_equal_the_full_forward():
-    model = tiny_model()
+    model = served_model()
     prompt = _prompt(13, 1)
     r = Engine(model, num_slots=3, capacity=64, prefill_chunk=5).run(
         [Request(prompt=prompt, max_tokens=10, sampling=SamplingParams(temperature=0), logprobs=3,
@@ -62,7 +62,7 @@ def test_greedy_output_and_logprobs_equal_the_full_forward():
 
 
 def test_eos_stop_strings_scoring_and_capacity():
-    model = tiny_model()
+    model = served_model()
     text = {i: chr(ord("a") + i % 26) for i in range(512)}
     decode = lambda ids: "".join(text[i] for i in ids)  # noqa: E731
     engine = Engine(model, num_slots=2, capacity=32, decode=decode)
@@ -88,7 +88,7 @@ def test_eos_stop_strings_scoring_and_capacity():
 
 
 def test_generate_runs_on_the_engine_with_left_padding():
-    model = tiny_model()
+    model = served_model()
     rows = [_prompt(7, 1), _prompt(4, 2)]
     ids = torch.zeros(2, 7, dtype=torch.long)
     mask = torch.zeros(2, 7, dtype=torch.long)
@@ -122,7 +122,7 @@ def test_one_requests_failure_never_fails_another():
     """A request that fails while being admitted (a seed torch refuses), sampled (a NaN temperature) or finished (a
     stop-string decode that raises on its output) fails alone, with its reason; the others give exactly what they
     give alone."""
-    model = tiny_model()
+    model = served_model()
     text = {i: chr(ord("a") + i % 26) for i in range(512)}
     plain = lambda ids: "".join(text[i] for i in ids)  # noqa: E731
     poisoned_prompt = _prompt(3, 5)
@@ -188,7 +188,7 @@ def test_the_worker_finishes_every_request_it_takes():
 
     from zaya.serve.worker import EngineWorker
 
-    engine = Engine(tiny_model(), num_slots=2, capacity=64)
+    engine = Engine(served_model(), num_slots=2, capacity=64)
     worker = EngineWorker(engine)
     done = {}
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from serve_helpers import tiny_model
+from serve_helpers import served_model
 
 pytest.importorskip("lm_eval")
 
@@ -65,7 +65,7 @@ def test_lm_eval_tasks_on_the_engine(tmp_path, shakespeare_dataset):
     from zaya.eval.harness import ZayaLM, evaluate_tasks
 
     tok = Tokenizer.from_file(shakespeare_dataset / "tokenizer.json")
-    model = tiny_model(vocab_size=512, max_seq_len=64)
+    model = served_model(vocab_size=512, max_seq_len=64)
     docs = [{"question": "ROMEO: What light", "choices": [" breaks", " sings", " falls"], "answer": 0},
             {"question": "JULIET: O Romeo, Romeo", "choices": [" wherefore", " why"], "answer": 0},
             {"question": "HAMLET: To be, or not to be, that is the question: whether 'tis nobler in the mind "

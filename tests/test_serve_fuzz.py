@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_helpers import ServerThread, tiny_model
+from serve_helpers import ServerThread, served_model
 
 EXAMPLES = int(os.environ.get("ZAYA_FUZZ_EXAMPLES", "500"))
 TIMEOUT_S = 30.0
@@ -154,7 +154,7 @@ def fuzzed_server(shakespeare_dataset):
     from zaya.serve.server import build_app
 
     tok = Tokenizer.from_file(shakespeare_dataset / "tokenizer.json")
-    engine = Engine(tiny_model(vocab_size=512, max_seq_len=128), num_slots=4, capacity=128,
+    engine = Engine(served_model(vocab_size=512, max_seq_len=128), num_slots=4, capacity=128,
                     decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
     limits = ServeLimits(max_body_bytes=256 << 10, max_prompts=8)
     with ServerThread(build_app(engine, tok, model_name="tiny", limits=limits)) as url:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_helpers import tiny_model
+from serve_helpers import served_model
 from zaya.serve.generate import generate
 
 HUGE = 2**40
@@ -24,7 +24,7 @@ def huge_context(shakespeare_dataset, tmp_path_factory):
     from zaya.model.io import save_checkpoint
 
     d = tmp_path_factory.mktemp("huge") / "ckpt"
-    save_checkpoint(tiny_model(vocab_size=512, max_seq_len=LONG), d)
+    save_checkpoint(served_model(vocab_size=512, max_seq_len=LONG), d)
     shutil.copy(shakespeare_dataset / "tokenizer.json", d / "tokenizer.json")
     return d
 
@@ -32,7 +32,7 @@ def huge_context(shakespeare_dataset, tmp_path_factory):
 def test_bytes_needed_is_what_a_decoder_allocates():
     from zaya.model.slots import SlotDecoder
 
-    model = tiny_model(vocab_size=512, max_seq_len=64)
+    model = served_model(vocab_size=512, max_seq_len=64)
     for dtype in (None, torch.bfloat16):
         decoder = SlotDecoder(model, 3, 50, dtype)
         held = decoder.key_valid.nbytes + decoder._key_index.nbytes + sum(
@@ -45,7 +45,7 @@ def test_slots_that_do_not_fit_are_refused_before_anything_is_allocated(monkeypa
     import zaya.model.slots as slots
     from zaya.core.errors import ConfigError
 
-    model = tiny_model(vocab_size=512, max_seq_len=HUGE)
+    model = served_model(vocab_size=512, max_seq_len=HUGE)
     with pytest.raises(slots.SlotMemoryError, match=r"16 slot\(s\) of 1,099,511,627,776 tokens need") as caught:
         slots.SlotDecoder(model, 16, HUGE)
     assert isinstance(caught.value, ConfigError) and caught.value.needed > 2**50

@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 
-from serve_helpers import free_port, post_json, tiny_model
+from dist_helpers import free_port
+from serve_helpers import post_json, served_model
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def checkpoint(shakespeare_dataset, tmp_path_factory):
     from zaya.model.io import save_checkpoint
 
     d = tmp_path_factory.mktemp("serve-ckpt") / "tiny"
-    save_checkpoint(tiny_model(vocab_size=512, max_seq_len=4096), d)
+    save_checkpoint(served_model(vocab_size=512, max_seq_len=4096), d)
     shutil.copy(shakespeare_dataset / "tokenizer.json", d / "tokenizer.json")
     return d
 

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from serve_helpers import ServerThread, post_json, tiny_model
+from serve_helpers import ServerThread, post_json, served_model
 
 PANIC_TEXT = "a" * 40 + "!"
 
@@ -84,7 +84,7 @@ def test_any_library_failure_is_translated_but_not_an_interrupt(panicking, monke
 def _checkpoint(directory, tokenizer_change, shakespeare_dataset):
     from zaya.model.io import save_checkpoint
 
-    save_checkpoint(tiny_model(vocab_size=512, max_seq_len=64), directory)
+    save_checkpoint(served_model(vocab_size=512, max_seq_len=64), directory)
     _write_tokenizer(shakespeare_dataset, directory / "tokenizer.json", tokenizer_change)
     return directory
 
@@ -104,7 +104,7 @@ def test_the_server_answers_a_text_the_tokenizer_fails_on_with_a_400(panicking):
     from zaya.serve.engine import Engine
     from zaya.serve.server import build_app
 
-    engine = Engine(tiny_model(vocab_size=512, max_seq_len=64), num_slots=2, capacity=64,
+    engine = Engine(served_model(vocab_size=512, max_seq_len=64), num_slots=2, capacity=64,
                     decode=lambda ids: panicking.decode(ids, skip_special_tokens=True))
     with ServerThread(build_app(engine, panicking, "tiny")) as url:
         for route, body in (("completions", {"prompt": PANIC_TEXT, "max_tokens": 2}),
