@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import traceback
 from typing import Any, Sequence
@@ -666,7 +667,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"zaya: error: {err}", file=sys.stderr)
         return errors.CONFIG_ERROR
     except Exception as err:  # noqa: BLE001 - anything else is a bug, reported as one
-        return _internal(err)
+        said = _out_of_memory(err)
+        if said is None or debug:
+            return _internal(err)
+        print(f"zaya: error: out of memory{f' ({said})' if said else ''}: the model, batch or context this command "
+              "asked for does not fit this machine; make it smaller (model.* sizes, train.micro_batch_size, "
+              "--max-model-len, ...) or spread it over more devices (docs/training.md)", file=sys.stderr)
+        return errors.CONFIG_ERROR
+
+
+_OOM = re.compile(r"(?:can't allocate memory|out of memory)(?:[^\n]*?you tried to allocate \d+ bytes)?", re.I)
+
+
+def _out_of_memory(err: BaseException) -> str | None:
+    """What an allocator failure said ("" for a MemoryError; torch's CPU allocator raises a RuntimeError, its GPU
+    one an OutOfMemoryError), or None for any other error."""
+    if isinstance(err, MemoryError):
+        return ""
+    match = _OOM.search(str(err)) if isinstance(err, RuntimeError) else None
+    return match.group(0)[:200] if match else None
 
 
 def _internal(err: BaseException) -> int:

@@ -778,6 +778,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             value = tomllib.loads(f"v = {raw.strip()}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw.strip()  # a bare word: a string
+        except RecursionError:
+            raise ConfigError(f"--set {key.strip()}=...: a value nested too deep to read") from None
         parts = key.strip().split(".")
         node: Any = data
         for i, part in enumerate(parts[:-1]):
@@ -811,6 +813,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError(f"{path}: arrays or tables nested too deep to read (a config nests a few levels); "
+                          "write a flatter file") from None
+    except (UnicodeDecodeError, OSError) as err:
+        raise ConfigError(f"{path}: cannot be read as UTF-8 text ({err})") from None
     source = str(path)
     if overrides:
         data = apply_overrides(data, overrides)

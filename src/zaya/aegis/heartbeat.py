@@ -152,7 +152,7 @@ def parse_heartbeat(path: Path) -> dict[str, Any]:
     """The heartbeat in ``path`` (``rank-NNNNN.json``), checked: a JSON object naming the file's rank, a finite
     time, a known phase, and every field of ``_FIELDS`` of its type. ValueError saying what is wrong otherwise,
     OSError when it cannot be read: a file a rank did not write (or a damaged one) must never be computed with."""
-    doc = read_json(path)
+    doc = read_json(path, max_bytes=1 << 20)  # a heartbeat is a few hundred bytes
     if not isinstance(doc, dict):
         raise ValueError(f"a JSON {type(doc).__name__}, not an object")
     for key, kinds in _FIELDS.items():

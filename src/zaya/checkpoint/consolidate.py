@@ -78,10 +78,18 @@ def resolve_checkpoint(path: str | Path, log: Callable[[str], None] = _stderr) -
 
 
 def find_tokenizer(kind: str, directory: Path) -> Path | None:
+    """The tokenizer.json beside a checkpoint (or its run's), or None. An export's must be one its ``SHA256SUMS``
+    lists, as every other file a load reads (``load_for_inference`` has checked the listed ones)."""
+    from zaya.model.checksums import check_listed, read_manifest
+
     candidates = [directory / TOKENIZER]
     if kind == "training":
         candidates.append(directory.parent.parent / TOKENIZER)  # <run>/checkpoints/step-N -> <run>/tokenizer.json
-    return next((c for c in candidates if c.is_file()), None)
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is not None and found.parent == directory and kind != "training":
+        listed = read_manifest(directory)
+        check_listed(directory, None if listed is None else set(listed), [found])
+    return found
 
 
 def load_for_inference(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

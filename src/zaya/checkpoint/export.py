@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from zaya.core.device import DTYPES, dtype_name
-from zaya.core.errors import ConfigError
+from zaya.core.errors import ConfigError, writing
 
 FORMATS = {"hf": "Hugging Face zaya layout", "safetensors": "zaya checkpoint"}
 
@@ -58,7 +58,7 @@ def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: st
     replace = _check_destination(to, source, overwrite)  # before loading: a refusal should not take minutes
 
     model, tokenizer, directory = load_for_inference(source, dtype=None if dtype == "keep" else DTYPES[dtype])
-    with atomic_directory(to, overwrite=replace) as tmp:
+    with writing(to.parent, f"exporting to {to}"), atomic_directory(to, overwrite=replace) as tmp:
         (write_hf if format == "hf" else write_checkpoint)(model, tmp)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER)

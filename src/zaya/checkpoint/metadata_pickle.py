@@ -320,27 +320,44 @@ def unpickle_metadata(data: bytes) -> Any:
 # ----------------------------------------------------------------------------------------------- tensor items
 MAX_ITEM_PICKLE = 4096
 """Bytes of a tensor item's ``data.pkl`` (a tensor's is ~150; 64 dimensions of 8-byte ints stay far below)."""
-_ITEM_OPS = frozenset({"PROTO", "FRAME", "STOP", "MARK", "GLOBAL", "STACK_GLOBAL", "SHORT_BINUNICODE", "BINUNICODE",
+_ITEM_OPS = frozenset({"PROTO", "FRAME", "STOP", "MARK", "GLOBAL", "SHORT_BINUNICODE", "BINUNICODE",
                        "BINPUT", "LONG_BINPUT", "MEMOIZE", "BININT", "BININT1", "BININT2", "LONG1", "NEWFALSE",
                        "NEWTRUE", "NONE", "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "BINPERSID",
                        "REDUCE"})
-"""What ``torch.save`` writes for one tensor: ``_rebuild_tensor_v2(storage, offset, size, stride, ...)``."""
+"""What ``torch.save`` (pickle protocol 2) writes for one tensor: ``_rebuild_tensor_v2(storage, offset, size,
+stride, ...)``."""
+_ITEM_NAMES = frozenset({"torch._utils _rebuild_tensor_v2", "collections OrderedDict"})
+"""The names a tensor's pickle uses besides its storage class (``torch FloatStorage``, ...)."""
+STORAGE_DTYPES = {f"torch {name}": dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+"""``torch FloatStorage`` -> torch.float32, ...: the storage class a tensor's pickle names says its dtype."""
 
 
-def item_pickle_problem(data: bytes) -> str | None:
+def item_pickle_problem(data: bytes, dtype: torch.dtype | None = None) -> str | None:
     """Why ``data`` (the ``data.pkl`` of one tensor item of a ``.distcp`` file) is not a tensor's pickle, or None.
 
     DCP reads each item with ``torch.load(weights_only=True)``, whose unpickler hashes whatever a dict key or an
     ``OrderedDict`` argument holds: a 300-byte item holding a tuple that refers to itself 90 times over hung it, one
     nested 500,000 deep crashed the process. Here, before torch sees it: at most MAX_ITEM_PICKLE bytes, only the
     instructions a tensor's pickle uses (no dicts, lists or sets) and no memo reads, so every object is built once
-    and used once: what torch then hashes is a tree of at most a few thousand nodes."""
+    and used once: what torch then hashes is a tree of at most a few thousand nodes. Names only those a tensor's
+    pickle names (torch's own refusal of any other says to retry with weights_only=False), and one storage class,
+    of ``dtype`` when given (the dtype the metadata declares: an int8 item was copied into a float32 weight)."""
     if len(data) > MAX_ITEM_PICKLE:
         return f"its pickle has {len(data):,} bytes; a tensor's has a few hundred"
+    storages = []
     try:
-        for opcode, _, _ in pickletools.genops(data):
+        for opcode, arg, _ in pickletools.genops(data):
             if opcode.name not in _ITEM_OPS:
                 return f"its pickle uses the instruction {opcode.name}, which a tensor's does not"
+            if opcode.name == "GLOBAL" and arg not in _ITEM_NAMES:
+                if arg not in STORAGE_DTYPES:
+                    return f"its pickle asks for {describe(arg)}, which a tensor's does not"
+                storages.append(STORAGE_DTYPES[arg])
     except Exception as exc:  # noqa: BLE001 - pickletools raises ValueError and more on a damaged stream
         return f"its pickle is damaged ({type(exc).__name__}: {str(exc)[:120]})"
+    if len(storages) != 1:
+        return f"its pickle names {len(storages)} storage classes; a tensor's names one"
+    if dtype is not None and storages[0] != dtype:
+        return (f"it holds {str(storages[0]).removeprefix('torch.')} values where the metadata declares "
+                f"{str(dtype).removeprefix('torch.')}")
     return None

@@ -50,6 +50,11 @@ UNTRUSTED = ("this is not a checkpoint zaya wrote, or it was altered since (poss
 MAX_METADATA_BYTES = 1 << 30
 """The largest ``.metadata`` read: about 6 million chunks (a real one takes ~160 bytes per chunk), e.g. 5,000
 tensors sharded over 1,024 ranks. Reading one takes about 20 bytes of memory per byte (a crafted one at most ~75)."""
+METADATA_FLOOR_BYTES = 4 << 20
+"""A ``.metadata`` may also be at most as large as the data files its COMMIT lists, or this, whichever is more: each
+chunk it describes (~160 bytes) is a torch archive of at least ~1 KB in a data file. Unpickling runs at about 1 MB/s
+(pure Python, every instruction checked), so this keeps a padded one (300 MB of no-op instructions took minutes)
+to seconds."""
 
 
 def read_metadata(path: Path) -> Metadata:
@@ -63,7 +68,8 @@ def read_metadata(path: Path) -> Metadata:
     if METADATA not in records:
         raise CheckpointError(f"{file} is not listed in {directory}/COMMIT; the checkpoint is damaged: use another "
                               "one")
-    data = _read_regular(file)
+    data_bytes = sum(r.size for name, r in records.items() if name not in (METADATA, "meta.json"))
+    data = _read_regular(file, max(METADATA_FLOOR_BYTES, data_bytes))
     try:
         metadata = unpickle_metadata(data)
     except Refused as exc:
@@ -80,9 +86,9 @@ def read_metadata(path: Path) -> Metadata:
     return metadata
 
 
-def _read_regular(file: Path) -> bytes:
+def _read_regular(file: Path, data_bytes: int) -> bytes:
     """The bytes of ``file``, opened without following a link or blocking on a FIFO, if it is a regular file of at
-    most MAX_METADATA_BYTES."""
+    most MAX_METADATA_BYTES and ``data_bytes`` (what the checkpoint's data files could need described)."""
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
@@ -95,6 +101,10 @@ def _read_regular(file: Path) -> bytes:
         if info.st_size > MAX_METADATA_BYTES:
             raise CheckpointError(f"{file} has {info.st_size:,} bytes, more than the {MAX_METADATA_BYTES:,} zaya "
                                   f"reads (about 6 million chunks); {UNTRUSTED}")
+        if info.st_size > data_bytes:
+            raise CheckpointError(f"{file} has {info.st_size:,} bytes, more than its checkpoint's data files hold "
+                                  f"({data_bytes:,} bytes): a metadata describes its data in far fewer bytes than "
+                                  f"the data takes; {UNTRUSTED}")
         try:
             return fh.read(MAX_METADATA_BYTES + 1)
         except OSError as exc:
@@ -108,10 +118,14 @@ class AllowListReader(FileSystemReader):
     def __init__(self, path: str | Path):
         super().__init__(str(path))
         self._metadata: Metadata | None = None
+        self._dtypes: dict[tuple[str, int], torch.dtype] = {}
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP then never falls back to a rank-local __N.metadata
         if self._metadata is None:
             self._metadata = read_metadata(Path(self.path))
+            tensors = self._metadata.state_dict_metadata
+            self._dtypes = {(info.relative_path, info.offset): tensors[index.fqn].properties.dtype
+                            for index, info in self._metadata.storage_data.items()}
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
 
@@ -123,7 +137,7 @@ class AllowListReader(FileSystemReader):
         except Exception as exc:  # noqa: BLE001 - a damaged archive: torch.load would fail on it as well
             problem = f"it is not a tensor archive ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
         else:
-            problem = item_pickle_problem(record)
+            problem = item_pickle_problem(record, self._dtypes.get((sinfo.relative_path, sinfo.offset)))
         if problem is not None:
             where = Path(self.path) / sinfo.relative_path
             raise CheckpointError(f"{where}: the item at byte {sinfo.offset:,} is refused: {problem}; {UNTRUSTED}")

@@ -7,6 +7,7 @@ place, so that a crash mid-write leaves either the old file or the new one, neve
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -180,7 +181,27 @@ def loads_json(text: str | bytes) -> object:
         raise ValueError("JSON nested too deeply to parse") from None
 
 
-def read_json(path: str | Path) -> object:
-    """The JSON document in ``path`` (UTF-8). OSError when it cannot be read; ValueError (see ``loads_json``) when
-    it is not JSON: callers turn either into their own error naming the file and the fix."""
-    return loads_json(Path(path).read_bytes())
+MAX_JSON_BYTES = 256 << 20
+"""The largest JSON file zaya reads (a sharded model's index or a tokenizer config is a few MB)."""
+
+
+def read_regular(path: str | Path, max_bytes: int) -> bytes:
+    """The bytes of ``path`` if it is (or links to) a regular file of at most ``max_bytes``; else OSError saying
+    why. Opened without blocking, so a FIFO in its place is refused instead of waiting for a writer forever, and a
+    link to /dev/zero instead of reading until memory runs out."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fh.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a directory)", str(path))
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"larger than the {max_bytes:,} bytes zaya reads from such a file", str(path))
+    return data
+
+
+def read_json(path: str | Path, max_bytes: int = MAX_JSON_BYTES) -> object:
+    """The JSON document in ``path`` (UTF-8, a regular file of at most ``max_bytes``). OSError when it cannot be
+    read; ValueError (see ``loads_json``) when it is not JSON: callers turn either into their own error naming the
+    file and the fix."""
+    return loads_json(read_regular(path, max_bytes))

@@ -51,6 +51,30 @@ _CANDIDATES = {
 }
 
 
+MAX_PIPELINE_TEXT = 1024
+"""The longest literal a tokenizer's normalizer, pre-tokenizer, post-processor or decoder may hold (real ones hold a
+few characters, a regular expression a few hundred): a normalizer that prepends 1 MB to every text made every
+encode take minutes."""
+
+
+def _pipeline_problem(spec: object) -> str | None:
+    """Why the text-transforming parts of a tokenizer.json (everything but its vocabulary and merges) are not a
+    tokenizer's, or None: a literal longer than ``MAX_PIPELINE_TEXT`` characters."""
+    if not isinstance(spec, dict):
+        return None
+    pending = [(key, spec.get(key)) for key in ("normalizer", "pre_tokenizer", "post_processor", "decoder")]
+    while pending:
+        where, value = pending.pop()
+        if isinstance(value, str) and len(value) > MAX_PIPELINE_TEXT:
+            return (f"its {where} holds a text of {len(value):,} characters (a tokenizer's hold at most "
+                    f"{MAX_PIPELINE_TEXT:,})")
+        if isinstance(value, dict):
+            pending += [(f"{where}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, list):
+            pending += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    return None
+
+
 class TokenizerError(ConfigError):
     """A tokenizer file that cannot be used, or a request it cannot serve."""
 
@@ -115,6 +139,9 @@ class Tokenizer:
             backend = Backend.from_file(str(path))
         except Exception as exc:  # the library raises a bare Exception with a serde message
             raise TokenizerError(f"{path}: not a readable tokenizer.json ({exc})") from exc
+        problem = _pipeline_problem(loads_json(backend.to_str()))
+        if problem:
+            raise TokenizerError(f"{path}: {problem}; use the tokenizer the model was trained with")
         return cls(backend, _find_special(backend, path, pad=pad, bos=bos, eos=eos), source=str(path))
 
     @classmethod

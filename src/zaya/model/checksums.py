@@ -52,11 +52,10 @@ def write_checksums(directory: Path) -> None:
     (directory / MANIFEST).write_text("".join(f"{sha256_file(f)}  {f.name}\n" for f in files))
 
 
-def verify_checksums(directory: Path) -> set[str] | None:
-    """Check every file ``directory``'s ``SHA256SUMS`` lists; the names it lists, or None without a manifest.
-    A manifest that is not a regular file or not in its format (a name that is not a plain file name of the
-    directory: /etc/passwd, ../x, one longer than a file name can be), and a listed file missing, not a regular file
-    or changed, is a ``CheckpointError`` naming it and the fix."""
+def read_manifest(directory: Path) -> dict[str, str] | None:
+    """{file name: sha256} of ``directory``'s ``SHA256SUMS``, or None without one; a manifest that is not a regular
+    file or not in its format (a name that is not a plain file name of the directory: /etc/passwd, ../x, one longer
+    than a file name can be) is a ``CheckpointError`` naming it and the fix."""
     manifest = Path(directory) / MANIFEST
     if not os.path.lexists(manifest):
         return None
@@ -78,6 +77,17 @@ def verify_checksums(directory: Path) -> set[str] | None:
             raise CheckpointError(f"{manifest}, line {number}: not '<sha256>  <file name>' of a file of this "
                                   f"directory, listed once; {_CHANGED}")
         listed[name] = match.group(1)
+    return listed
+
+
+def verify_checksums(directory: Path) -> set[str] | None:
+    """Check every file ``directory``'s ``SHA256SUMS`` lists (``read_manifest``); the names it lists, or None
+    without a manifest. A listed file missing, not a regular file or changed is a ``CheckpointError`` naming it and
+    the fix."""
+    listed = read_manifest(directory)
+    if listed is None:
+        return None
+    manifest = Path(directory) / MANIFEST
     for name, expected in listed.items():
         file = manifest.parent / name
         try:

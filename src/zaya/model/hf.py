@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from zaya.config import ConfigError, ModelConfig, model_config_from_dict, to_dict
 from zaya.core.device import dtype_name
@@ -34,7 +33,7 @@ from zaya.core.errors import CheckpointError
 from zaya.core.fsutil import loads_json
 from zaya.model.checksums import check_listed, verify_checksums, write_checksums
 from zaya.model.io import (DAMAGED, atomic_directory, build_from_state_dict, check_layer_count, expected_shapes,
-                           read_json_object, read_safetensors, safetensors_header)
+                           read_json_object, read_safetensors, safetensors_header, save_safetensors)
 from zaya.model.router import BALANCING_STATE
 from zaya.model.zaya import ZayaForCausalLM
 
@@ -141,6 +140,10 @@ def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Mod
          "only default RoPE")
     eos = hf.get("eos_token_id", 106)
     need("eos_token_id", not isinstance(eos, list) or len(eos) > 0, "an id or a non-empty list of ids")
+    vocab = hf.get("vocab_size", 262272)
+    for extra in (eos[1:] if isinstance(eos, list) else []):  # the first is checked as the model's eos_token_id
+        need("eos_token_id", type(extra) is int and (type(vocab) is not int or 0 <= extra < vocab),
+             f"ids of the vocabulary (0 to {vocab - 1 if type(vocab) is int else '?'})")
     values = dict(
         vocab_size=hf.get("vocab_size", 262272),
         hidden_size=hf.get("hidden_size", 2048),
@@ -418,12 +421,12 @@ def write_hf(model: ZayaForCausalLM, directory: Path, max_shard_bytes: int = MAX
         shards[-1][name] = tensor
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(shards[0], directory / "model.safetensors")
     else:
         weight_map = {}
         for i, shard in enumerate(shards, 1):
             fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(directory / fname), metadata={"format": "pt"})
+            save_safetensors(shard, directory / fname)
             weight_map.update({k: fname for k in shard})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -434,5 +437,5 @@ def write_hf(model: ZayaForCausalLM, directory: Path, max_shard_bytes: int = MAX
         (directory / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
     extras = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
               if zaya_to_hf_name(k) is None}
-    save_file(extras, str(directory / EXTRAS_FILE),
-              metadata={"format": "pt", "zaya_model_config": json.dumps(to_dict(model.config))})
+    save_safetensors(extras, directory / EXTRAS_FILE,
+                     metadata={"format": "pt", "zaya_model_config": json.dumps(to_dict(model.config))})

@@ -18,6 +18,7 @@ holding NaN or inf, a missing, extra or misshapen tensor, and a JSON file that d
 from __future__ import annotations
 
 import json
+import os
 import re
 import stat
 from pathlib import Path
@@ -206,6 +207,19 @@ def save_checkpoint(model: ZayaForCausalLM, directory: str | Path, overwrite: bo
     return Path(directory)
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, except that a write the filesystem refused is the OSError it was (the
+    library reports "I/O error: File too large (os error 27)" as a SafetensorError), so a full disk or a file-size
+    limit is named as one (``zaya.core.errors.writing``), not a traceback."""
+    try:
+        save_file(tensors, str(path), metadata=metadata or {"format": "pt"})
+    except SafetensorError as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
+
+
 def write_checkpoint(model: ZayaForCausalLM, directory: Path, hf_config: dict[str, Any] | None = None) -> None:
     """The files of a zaya checkpoint, written into the existing (empty, temporary) ``directory``; not atomic by
     itself: ``save_checkpoint`` and ``zaya.checkpoint.export`` call it inside ``atomic_directory``."""
@@ -217,7 +231,7 @@ def write_checkpoint(model: ZayaForCausalLM, directory: Path, hf_config: dict[st
         meta["hf_config"] = model.hf_config
     if getattr(model, "hf_generation_config", None) is not None:
         meta["hf_generation_config"] = model.hf_generation_config
-    save_file(state, str(directory / ZAYA_WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(state, directory / ZAYA_WEIGHTS)
     (directory / ZAYA_META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
