@@ -188,7 +188,8 @@ def check_host_syncs(ctx: Ctx, r: dict[str, Any]) -> None:
     torch = ctx.torch
     from zaya.config import load_config
     from zaya.distributed.runtime import start, stop
-    from zaya.train.trainer import HOST_READS_PER_STEP, Trainer
+    from zaya.train.step import HOST_READS_PER_STEP
+    from zaya.train.trainer import Trainer
 
     mb, seq = ctx.pick((16, 128), (16, 128), (4, 32))
     run_dir = ctx.tmp / "host-syncs"

@@ -227,29 +227,17 @@ def test_directives_skip_batches_and_cut_the_lr(tmp_path):
 
     add_directive(tmp_path, bad_step=3, skip_steps=2, lr_cut=0.5, lr_cut_steps=2)
     add_directive(tmp_path, bad_step=3, skip_steps=2, lr_cut=1.0, lr_cut_steps=0)  # the same bad step: once
-    plan = SimpleNamespace(accumulation=2)
-    consumed = []
-
-    class Loader:
-        def state_dict(self):
-            return {}
-
-        def __next__(self):
-            consumed.append(1)
-            return 1
-
-    trainer = SimpleNamespace(progress=SimpleNamespace(step=0, tokens=0), loader=Loader(), peaks=[[1.0, 2.0]],
-                              schedule=SimpleNamespace(plan=lambda *a: plan), runtime=SimpleNamespace(rank=0),
-                              say=lambda m: None)
+    calls = []
+    trainer = SimpleNamespace(skip_batches=lambda steps: calls.append(("skip", steps)) or 4,
+                              scale_lr=lambda factor: calls.append(("lr", factor)),
+                              runtime=SimpleNamespace(rank=0), log=lambda m: None)
     d = Directives(tmp_path)
-    d.on_start(trainer)
-    lrs = []
     for step in range(1, 6):
-        lrs.append(trainer.peaks[0][0])
-        trainer.progress.step = step
-        d.on_step_end(trainer, {"step": step})
-    assert len(consumed) == 4 and d.skipped[0]["from_step"] == 3  # 2 steps x accumulation 2, before step 3
-    assert lrs == [1.0, 1.0, 0.5, 0.5, 1.0]
+        calls.append(("step", step))
+        d.on_step_start(trainer, step)
+    assert calls == [("step", 1), ("step", 2), ("step", 3), ("skip", 2), ("lr", 0.5), ("step", 4), ("lr", 0.5),
+                     ("step", 5)]
+    assert d.skipped == [{"from_step": 3, "steps": 2, "micro_batches": 4, "rank": 0}]
 
 
 def test_events_file_is_rewritten_whole_and_reported(tmp_path):

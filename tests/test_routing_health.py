@@ -81,7 +81,8 @@ def test_model_returns_the_aux_loss_only_when_asked_and_training():
 def test_trainer_logs_routing_health_inside_its_read_budget(tmp_path, micro_config):
     from zaya.distributed.runtime import Runtime
     from zaya.config import load_config
-    from zaya.train.trainer import HOST_READS_PER_STEP, Trainer
+    from zaya.train.step import HOST_READS_PER_STEP
+    from zaya.train.trainer import Trainer
 
     trainer = Trainer.build(load_config(micro_config(tmp_path / "run"), []), Runtime(), resume="never")
     try:

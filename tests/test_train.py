@@ -16,7 +16,8 @@ import torch
 from proc_helpers import sigterm_after_two_steps
 from zaya.config import ConfigError, OptimConfig, load_config
 from zaya.core.errors import NonFiniteLossError
-from zaya.optim.build import accumulation_steps, global_batch_tokens, lr_factor, split_parameters
+from zaya.optim.build import split_parameters
+from zaya.train.schedule import accumulation_steps, global_batch_tokens, lr_factor
 
 
 def train_records(run: Path, kind: str = "train") -> list[dict]:
@@ -171,17 +172,17 @@ def test_restart_after_sigterm_loads_from_the_ram_tier_and_matches_an_uninterrup
 
 
 def test_non_finite_loss_stops_naming_the_step_and_checkpoint(tmp_path, micro_config, monkeypatch):
-    import zaya.train.trainer as trainer
+    import zaya.train.step as step
 
     calls = {"n": 0}
-    real = trainer._clip
+    real = step.clip_gradients
 
     def clip(params, max_norm):
         calls["n"] += 1
         norm = real(params, max_norm)
         return torch.full_like(norm, float("nan")) if calls["n"] == 5 else norm
 
-    monkeypatch.setattr(trainer, "_clip", clip)
+    monkeypatch.setattr(step, "clip_gradients", clip)
     run = tmp_path / "run"
     with pytest.raises(NonFiniteLossError) as err:
         run_train(micro_config(run))

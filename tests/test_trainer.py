@@ -28,6 +28,9 @@ class Recorder:
     def on_start(self, trainer):
         self.events.append(("start", trainer.progress.step))
 
+    def on_step_start(self, trainer, step):
+        self.events.append(("begin", step))
+
     def on_step_end(self, trainer, record):
         self.events.append(("step", record["step"]))
 
@@ -44,19 +47,38 @@ class Recorder:
         self.events.append(("error", type(error).__name__))
 
 
-def test_callbacks_see_the_run_in_order(tmp_path, micro_config):
+def test_callbacks_see_the_run_in_order_and_a_hook_acts_on_the_next_step(tmp_path, micro_config):
+    """The hooks in order; and what Aegis's directives use before a step: skip_batches moves the loader on, never
+    the counters, and scale_lr holds for the coming step only."""
+    from zaya.train.schedule import lr_factor
     from zaya.train.trainer import Trainer
 
-    rec = Recorder()
+    class CutStep3(Recorder):
+        def on_step_start(self, trainer, step):
+            if step == 3:
+                self.skipped = trainer.skip_batches(1)
+                trainer.scale_lr(0.5)
+
+        def on_step_end(self, trainer, record):
+            self.events.append(record)
+
+    rec, cut = Recorder(), CutStep3()
     trainer = build(micro_config(tmp_path / "run"), "train.max_steps=4", "train.eval_every=2",
-                    "checkpoint.every=2", callbacks=[rec])
+                    "checkpoint.every=2", callbacks=[rec, cut])
     try:
         summary = trainer.fit()
     finally:
         trainer.close()
     assert isinstance(trainer, Trainer) and summary["finished"]
-    assert rec.events == [("start", 0), ("val", 0), ("step", 1), ("step", 2), ("val", 2), ("save", 2, "periodic"),
-                          ("step", 3), ("step", 4), ("val", 4), ("save", 4, "final"), ("stop", True)]
+    assert rec.events == [("start", 0), ("val", 0), ("begin", 1), ("step", 1), ("begin", 2), ("step", 2), ("val", 2),
+                          ("save", 2, "periodic"), ("begin", 3), ("step", 3), ("begin", 4), ("step", 4), ("val", 4),
+                          ("save", 4, "final"), ("stop", True)]
+    records = [e for e in cut.events if isinstance(e, dict)]
+    oc, peak, steps = trainer.config.optim, trainer.peaks[-1][0], trainer.config.train.max_steps
+    assert [r["lr"] for r in records] == [peak * lr_factor(0, oc, steps), peak * lr_factor(1, oc, steps),
+                                          peak * 0.5 * lr_factor(2, oc, steps), peak * lr_factor(3, oc, steps)]
+    assert cut.skipped == 1 and summary["tokens"] == 4 * 128  # 4 steps of 4 x 32 tokens trained, 1 skipped
+    assert trainer.loader.state_dict()["stage_tokens"] == 5 * 128
 
 
 def test_an_error_reaches_the_callbacks_and_is_raised(tmp_path, micro_config, monkeypatch):
@@ -72,7 +94,7 @@ def test_an_error_reaches_the_callbacks_and_is_raised(tmp_path, micro_config, mo
             trainer.fit()
     finally:
         trainer.close()
-    assert rec.events == [("start", 0), ("error", "RuntimeError")]
+    assert rec.events == [("start", 0), ("begin", 1), ("error", "RuntimeError")]
 
 
 def test_a_signal_during_a_steps_collectives_stops_the_run_after_the_next_step(tmp_path, micro_config, monkeypatch):
@@ -80,10 +102,10 @@ def test_a_signal_during_a_steps_collectives_stops_the_run_after_the_next_step(t
     must not be overwritten by that step's (flag-less) result, and is carried into the next step's all-reduce."""
     import signal
 
-    import zaya.train.trainer as trainer_module
+    import zaya.train.step as step_module
 
     trainer = build(micro_config(), "train.max_steps=6", "train.eval_every=0", "checkpoint.every=0")
-    original, calls = trainer_module._clip, []
+    original, calls = step_module.clip_gradients, []
 
     def clip_then_signal(params, max_norm):
         calls.append(1)
@@ -92,7 +114,7 @@ def test_a_signal_during_a_steps_collectives_stops_the_run_after_the_next_step(t
             trainer.stop_request._handle(signal.SIGTERM, None)
         return norm
 
-    monkeypatch.setattr(trainer_module, "_clip", clip_then_signal)
+    monkeypatch.setattr(step_module, "clip_gradients", clip_then_signal)
     try:
         summary = trainer.fit()
     finally:
@@ -103,7 +125,7 @@ def test_a_signal_during_a_steps_collectives_stops_the_run_after_the_next_step(t
 
 def test_a_step_reads_the_host_once_whatever_its_accumulation(tmp_path, micro_config):
     from zaya.distributed.checks import HostReads
-    from zaya.train.trainer import HOST_READS_PER_STEP
+    from zaya.train.step import HOST_READS_PER_STEP
 
     # 4 micro-batches per step; bf16 autocast (the default); the skip class is on in the micro model; hidden 128,
     # so that the experts' [256, 128] matrices take Muon's Gram-space path (with its one read of the drift checks).
@@ -150,6 +172,7 @@ def test_which_keys_may_change_on_resume_is_declared_on_the_fields():
 
 
 def test_exit_codes_of_zaya_train(tmp_path, micro_config, monkeypatch, capsys):
+    import zaya.train.step as step_module
     import zaya.train.trainer as trainer_module
 
     cfg = micro_config(tmp_path / "run")
@@ -167,8 +190,8 @@ def test_exit_codes_of_zaya_train(tmp_path, micro_config, monkeypatch, capsys):
     assert "Traceback" in err and "internal error" in err and "shape mismatch" in err
     monkeypatch.setattr(trainer_module.Trainer, "step", real_step)
     # A non-finite loss: 4.
-    real_clip = trainer_module._clip
-    monkeypatch.setattr(trainer_module, "_clip", lambda params, max_norm: torch.full_like(
+    real_clip = step_module.clip_gradients
+    monkeypatch.setattr(step_module, "clip_gradients", lambda params, max_norm: torch.full_like(
         real_clip(params, max_norm), float("inf")))
     assert main(["train", "--config", str(cfg), "--resume", "never"]) == 4
     assert "non-finite gradient norm at step 1" in capsys.readouterr().err

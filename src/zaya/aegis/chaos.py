@@ -170,7 +170,7 @@ class ChaosHook(Callback):
         kind = fault["kind"]
         if self.aegis is not None:
             record_injection(self.aegis, fault, injected_rank=self.rank, injected_step=step, attempt=self.attempt)
-        trainer.say(f"chaos: injecting {kind} on rank {self.rank} after step {step}")
+        trainer.log(f"chaos: injecting {kind} on rank {self.rank} after step {step}")
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "hang":

@@ -1,13 +1,13 @@
 """The trainer side of a rewind: the supervisor writes ``directives.json`` (skip the batches of steps F..F+n-1, cut
 the learning rate for a while after F) before it relaunches from an earlier checkpoint, and this callback applies
-it on every rank as the run passes those steps.
+it on every rank as the run reaches those steps (its ``on_step_start`` hook).
 
 Why a file and a callback rather than new trainer options: a directive belongs to the run, not to one launch. A
 later restart from a checkpoint before F must skip the same batches again (or it would replay the batch that
 blew up), and one after F must not skip twice: the decision depends only on the step, so it is the same on every
-rank and every relaunch. Skipping consumes the loader's batches without training on them (the step counter does
-not move), as PaLM skipped the batches around a spike; the loader's position, and so every later batch, is then
-exactly as if those batches had been trained on and discarded.
+rank and every relaunch. Skipping consumes the loader's batches without training on them (``skip_batches``: the
+step counter does not move), as PaLM skipped the batches around a spike; the loader's position, and so every later
+batch, is then exactly as if those batches had been trained on and discarded.
 """
 
 from __future__ import annotations
@@ -75,49 +75,23 @@ def add_directive(aegis: Path, *, bad_step: int, skip_steps: int, lr_cut: float,
 
 
 class Directives(Callback):
-    """Applies ``directives.json`` (read once, at the start of each launch); see the module docstring."""
+    """Applies ``directives.json`` (read once, at the start of each launch) before each step; see the module
+    docstring."""
 
     def __init__(self, aegis: Path):
         self.aegis = Path(aegis)
         self.doc = read_directives(aegis)
-        self.peaks: list[list[float]] | None = None
         self.skipped: list[dict[str, Any]] = []
 
-    def on_start(self, trainer) -> None:
-        self.peaks = [list(g) for g in trainer.peaks]
-        self._before_step(trainer)
-
-    def on_step_end(self, trainer, record: dict[str, Any]) -> None:
-        self._before_step(trainer)
-
-    def _before_step(self, trainer) -> None:
-        """Called when ``trainer.progress.step`` steps are done, i.e. before step ``progress.step + 1``."""
-        p = trainer.progress
+    def on_step_start(self, trainer, step: int) -> None:
         for skip in self.doc["skip"]:
-            # Step numbers are 1-based: step F is trained when progress.step == F - 1.
-            if p.step + 1 == skip["from_step"]:
-                self._skip(trainer, skip["steps"], skip["from_step"])
-        factor = 1.0
-        for cut in self.doc["lr_cut"]:
-            if cut["from_step"] <= p.step + 1 < cut["from_step"] + cut["steps"]:
-                factor = min(factor, float(cut["factor"]))
-        if self.peaks is not None:
-            trainer.peaks = [[lr * factor for lr in group] for group in self.peaks]
-
-    def _skip(self, trainer, steps: int, from_step: int) -> None:
-        p, loader = trainer.progress, trainer.loader
-        batches = 0
-        for i in range(steps):
-            plan = trainer.schedule.plan(p.step, p.tokens, loader.state_dict())
-            if plan is None:
-                break
-            for _ in range(plan.accumulation):
-                try:
-                    next(loader)
-                except StopIteration:
-                    break
-                batches += 1
-        done = {"from_step": from_step, "steps": steps, "micro_batches": batches, "rank": trainer.runtime.rank}
-        self.skipped.append(done)
-        trainer.say(f"aegis: skipped the batches of steps {from_step}..{from_step + steps - 1} ({batches} "
-                    "micro-batch(es) on this rank), as the rewind directive says")
+            if step == skip["from_step"]:
+                batches = trainer.skip_batches(skip["steps"])
+                self.skipped.append({"from_step": step, "steps": skip["steps"], "micro_batches": batches,
+                                     "rank": trainer.runtime.rank})
+                trainer.log(f"aegis: skipped the batches of steps {step}..{step + skip['steps'] - 1} ({batches} "
+                            "micro-batch(es) on this rank), as the rewind directive says")
+        cuts = [float(c["factor"]) for c in self.doc["lr_cut"]
+                if c["from_step"] <= step < c["from_step"] + c["steps"]]
+        if cuts:
+            trainer.scale_lr(min(cuts))

@@ -237,6 +237,13 @@ class ZayaForCausalLM(nn.Module):
     def sequence_seam(self):
         return self.blocks[0].attention.seam
 
+    def set_rope_theta(self, theta: float) -> None:
+        """Use RoPE base ``theta`` from now on (a long-context stage raises it); the frequency table is recomputed
+        only when it changes."""
+        if self.rope.theta != theta:
+            self.rope.theta = theta
+            self.rope.reset_parameters()
+
     def check_input_ids(self, input_ids: torch.Tensor) -> None:
         """Raise ValueError, naming the offending id, if ``input_ids`` holds an id outside [0, vocab_size).
 

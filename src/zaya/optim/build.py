@@ -1,4 +1,4 @@
-"""Which parameter goes to Muon and which to AdamW, the learning-rate schedule, and the batch-size ramp.
+"""Building the optimizers: which parameter goes to Muon and which to AdamW.
 
 ZAYA1's split: Muon for the hidden weight matrices, the stacked 3-D expert weights included (each expert's matrix
 orthogonalised on its own); AdamW for the embedding (tied to the head), convolutions, norms, biases, residual
@@ -8,14 +8,13 @@ scales and temperatures. The router's bias-balancing state is not a parameter: i
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from zaya.config import ConfigError, OptimConfig
+from zaya.config import OptimConfig
 
 
 @dataclass
@@ -90,56 +89,3 @@ def _fused_adamw_supported(groups: list[dict[str, Any]]) -> bool:
     """
     params = [p for g in groups for p in g["params"]]
     return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-
-
-def peak_lrs(optimizers: list[torch.optim.Optimizer]) -> list[list[float]]:
-    """Each group's peak lr, taken before a checkpoint load can overwrite ``lr`` with a scheduled value."""
-    return [[group["lr"] for group in opt.param_groups] for opt in optimizers]
-
-
-def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Multiplier of each group's peak lr at optimizer step ``step`` (0-based).
-
-    Warmup: linear from 1/warmup to 1. Then "cosine": half-cosine to min_lr/lr at max_steps; "wsd": flat, then a
-    linear decay to min_lr/lr over the last ``decay_fraction`` of the steps; "constant": 1.
-    """
-    floor = cfg.min_lr / cfg.lr
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return 1.0
-    if cfg.schedule == "cosine":
-        span = max(1, max_steps - cfg.warmup_steps)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
-        return floor + 0.5 * (1 - floor) * (1 + math.cos(math.pi * progress))
-    decay_steps = max(1, round(cfg.decay_fraction * max_steps))
-    decay_start = max_steps - decay_steps
-    if step < decay_start:
-        return 1.0
-    return 1.0 - (1 - floor) * min(1.0, (step - decay_start + 1) / decay_steps)
-
-
-def set_lr(optimizers: list[torch.optim.Optimizer], peaks: list[list[float]], factor: float) -> None:
-    for opt, group_peaks in zip(optimizers, peaks):
-        for group, peak in zip(opt.param_groups, group_peaks):
-            group["lr"] = peak * factor
-
-
-def global_batch_tokens(tokens_seen: int, default: int, ramp: list[tuple[int, int]]) -> int:
-    """The global batch (tokens per optimizer step) once ``tokens_seen`` tokens have been trained on."""
-    batch = default
-    for threshold, tokens in ramp:
-        if tokens_seen >= threshold:
-            batch = tokens
-    return batch
-
-
-def accumulation_steps(batch_tokens: int, micro_batch: int, seq_len: int, world_size: int) -> int:
-    """Micro-batches per rank that make exactly ``batch_tokens`` per step; anything else is a config error."""
-    per_micro = micro_batch * seq_len * world_size
-    if batch_tokens % per_micro:
-        raise ConfigError(
-            f"global batch of {batch_tokens:,} tokens is not a multiple of one micro-step over all ranks "
-            f"(micro_batch_size {micro_batch} x seq_len {seq_len} x {world_size} rank(s) = {per_micro:,} tokens); "
-            f"choose a multiple, e.g. {max(1, round(batch_tokens / per_micro)) * per_micro:,}")
-    return batch_tokens // per_micro

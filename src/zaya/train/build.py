@@ -16,7 +16,7 @@ from zaya.distributed.parallel import Parallel, wrap
 from zaya.distributed.runtime import Runtime
 
 
-def resolve_datasets(config: Config, rt: Runtime, say: Callable[[str], None]) -> dict:
+def resolve_datasets(config: Config, rt: Runtime, log: Callable[[str], None]) -> dict:
     """data.datasets as opened ``PreparedDataset``s, the same on every rank.
 
     Shared (default): rank 0 resolves each entry (preparing a builtin corpus into the cache on first use) and every
@@ -32,7 +32,7 @@ def resolve_datasets(config: Config, rt: Runtime, say: Callable[[str], None]) ->
     first = rt.is_local_main if dc.node_local else rt.is_main
 
     def resolve() -> dict[str, str]:
-        return {name: str(resolve_dataset(spec, dc.builtin_vocab_size, dc.cache_dir, log=say))
+        return {name: str(resolve_dataset(spec, dc.builtin_vocab_size, dc.cache_dir, log=log))
                 for name, spec in dc.datasets.items()}
 
     specs, error = None, None
@@ -58,12 +58,12 @@ def resolve_datasets(config: Config, rt: Runtime, say: Callable[[str], None]) ->
     return datasets
 
 
-def build_data(config: Config, rt: Runtime, say: Callable[[str], None]):
+def build_data(config: Config, rt: Runtime, log: Callable[[str], None]):
     """(datasets, the training data loader of this data-parallel rank)."""
     from zaya.data.loader import DataLoader
     from zaya.train.schedule import stages_of
 
-    datasets = resolve_datasets(config, rt, say)
+    datasets = resolve_datasets(config, rt, log)
     dc = config.data
     loader = DataLoader(datasets, stages_of(config), rank=rt.dp_rank, world_size=rt.dp_size, seed=dc.seed,
                         document_positions=dc.document_positions, prefetch=dc.prefetch,

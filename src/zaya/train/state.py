@@ -14,8 +14,9 @@ import torch
 
 
 @dataclass
-class Progress:
-    """Where the run is: optimizer steps taken, tokens trained on, and consecutive skipped (non-finite) steps."""
+class RunCounters:
+    """Where the run is: optimizer steps taken, tokens trained on, and consecutive skipped (non-finite) steps
+    (checkpointed as the part ``progress``)."""
 
     step: int = 0
     tokens: int = 0

@@ -2,16 +2,9 @@
 
 ``Trainer.build(config, runtime)`` assembles the parts (the run directory, the data loader, the model in its
 parallel wrapper, the optimizers, the checkpoint store) and restores them from a checkpoint when there is one;
-``fit()`` runs the loop: ``step()``, then validation and checkpoints on their schedules, with callbacks
-(``zaya.train.callbacks``) for everything else. ``train(config)`` does all of it in one call.
-
-One ``step()``: plan it (stage, global batch, accumulation, learning rate: ``zaya.train.schedule``), read its
-micro-batches, forward and backward each (the gradient all-reduce only on the last), clip, then ONE all-reduce of
-the step's scalars (loss sum, target count, expert counts, the ranks' stop and checkpoint-failure flags) and ONE
-host read of them, which decides (a non-finite loss skips or stops the step on every rank alike) and is what gets
-logged; then the optimizers, ZeRO-1's parameter broadcast and the router's bias-balancing update from the global
-expert counts, all on the device. Nothing else in a step waits for the device but Muon's one read of its
-Newton-Schulz drift checks (``HOST_READS_PER_STEP``; tests/test_trainer.py, tests/test_cluster.py).
+``fit()`` runs the loop: before each step the callbacks' ``on_step_start``, then ``step()`` (its plan from
+``zaya.train.schedule``, the step itself in ``zaya.train.step``), then their ``on_step_end``, which include the
+periodic validation and checkpoints (``zaya.train.callbacks``). ``train(config)`` does all of it in one call.
 
 Exact resume: a checkpoint holds the model (router balancing state included), both optimizers, the data loader's
 position, the step and token counters and the RNG states, each a named part of the checkpoint; the LR schedule
@@ -34,25 +27,18 @@ import torch
 
 from zaya.config import Config, to_dict
 from zaya.core.device import autocast
+from zaya.core.errors import NonFiniteLossError, disk_full, exit_code_of, writing
+from zaya.core.layout import CHECKPOINTS, METRICS_FILE, TENSORBOARD, TOKENIZER_FILE
 from zaya.distributed.runtime import Runtime, collective_error, start, stop
-from zaya.core.errors import CheckpointError, NonFiniteLossError, disk_full, exit_code_of, writing
-from zaya.model import update_balancing_biases
-from zaya.model.router import routers_of
-from zaya.optim.build import peak_lrs, set_lr
-from zaya.train.callbacks import Callback, MetricsFile, Plots, ProgressDisplay, Sample
+from zaya.train.callbacks import (Callback, CheckpointFailure, Checkpoints, Evaluation, MetricsFile, Plots,
+                                  ProgressDisplay, Sample)
 from zaya.train.metrics import RUN_DIR_ELSEWHERE
-from zaya.train.run_dir import CHECKPOINTS, METRICS_FILE, TOKENIZER_FILE, prepare_run_dir
-from zaya.train.run_lock import RunLock
-from zaya.train.schedule import Schedule, stage_at
 from zaya.train.routing_probe import RoutingProbe, probe_sequence
-from zaya.train.state import Progress, RNGState
-
-
-HOST_READS_PER_STEP = 2
-"""The host reads (device-to-host waits) a training step may do, whatever its accumulation and parallel mode: the
-trainer's one read of the step's reduced scalars, and Muon's one read of its Newton-Schulz drift checks (only in a
-step where some matrix takes the Gram-space path: ``zaya.optim.muon``). tests/test_trainer.py and
-tests/test_cluster.py hold the trainer to it."""
+from zaya.train.run_dir import prepare_run_dir
+from zaya.train.run_lock import RunLock
+from zaya.train.schedule import Schedule, peak_lrs, set_lr, stage_at
+from zaya.train.state import RNGState, RunCounters
+from zaya.train.step import StepValues, TrainStep, full_sequences
 
 
 class _StopRequest:
@@ -89,33 +75,35 @@ class _StopRequest:
 
 
 class Trainer:
-    """A training run assembled from its parts; see the module docstring. Build it with ``Trainer.build``."""
+    """A training run assembled from its parts; see the module docstring. Build it with ``Trainer.build``. It is
+    the ``zaya.train.hooks.Run`` its callbacks receive."""
 
     run_lock: RunLock | None = None
     """Rank 0's hold on the run directory (one job per run directory), released by ``close()``."""
 
     def __init__(self, config: Config, runtime: Runtime, *, run_dir: Path, datasets: dict, schedule: Schedule,
-                 loader, parallel, optimizers: list, store, callbacks: list[Callback], say) -> None:
+                 loader, parallel, optimizers: list, store, callbacks: list[Callback], log) -> None:
         self.config, self.runtime, self.run_dir = config, runtime, run_dir
         self.datasets, self.schedule, self.loader = datasets, schedule, loader
         self.parallel, self.optimizers, self.store = parallel, optimizers, store
-        self.callbacks, self.say = callbacks, say
+        self.callbacks, self.log = callbacks, log
         self.peaks = peak_lrs(optimizers)
-        self.progress = Progress()
+        self.progress = RunCounters()
         self.stop_request = _StopRequest()
         self.resumed_from: dict[str, Any] | None = None
-        self._checkpoint_failed = False
+        self.checkpoint_failed = False
+        self.val_loss: float | None = None
+        self._lr_scale = 1.0
         self._losses: deque[float] = deque(maxlen=10)
         self._first_loss: float | None = None
         self._train_seconds, self._trained_tokens = 0.0, 0
         self._flops_per_token: dict[int, float] = {}
-        mc = config.model
-        self._count_shape = (mc.num_layers, mc.num_router_classes)
-        self._counts_end = 4 + math.prod(self._count_shape)  # totals: 4 scalars, the counts, then the probe's values
-        self.probe: RoutingProbe | None = None
+        probe = None
         if config.train.router_probe:
             ids = probe_sequence(next(iter(datasets.values())), schedule.stages[0].seq_len, runtime.device)
-            self.probe = None if ids is None else RoutingProbe(ids, mc.num_layers)
+            probe = None if ids is None else RoutingProbe(ids, config.model.num_layers)
+        self.train_step = TrainStep(config, runtime, parallel, optimizers, probe=probe,
+                                    stop_request=self.stop_request, store=store)
         self.peak_flops, self.peak_source = 0.0, ""
 
     # --- assembly ------------------------------------------------------------------------------------------
@@ -135,15 +123,15 @@ class Trainer:
         from zaya.checkpoint.store import CheckpointStore
         from zaya.train.build import build_data, build_model, build_optimizers_for, install_sequence_seam
 
-        tc = config.train
+        tc, ck = config.train, config.checkpoint
         display = ProgressDisplay(tc.max_steps, tc.log_every, runtime.is_main)
-        say = display.say
+        log = display.log
         run_dir = Path(tc.run_dir)
         built: list[Any] = []
         try:
-            lock = _prepare_run_dir(config, runtime, run_dir, resume, say)
+            lock = _prepare_run_dir(config, runtime, run_dir, resume, log)
             built += [lock] if lock is not None else []
-            datasets, loader = build_data(config, runtime, say)
+            datasets, loader = build_data(config, runtime, log)
             built.append(loader)
             if runtime.is_main:
                 tokenizer = next(iter(datasets.values())).directory / TOKENIZER_FILE
@@ -153,20 +141,21 @@ class Trainer:
             install_sequence_seam(parallel.model, config, runtime)
             optimizers = build_optimizers_for(config, parallel)
             store = CheckpointStore(run_dir / CHECKPOINTS, config.checkpoint, runtime, parallel=tc.parallel,
-                                    run_dir=run_dir, log=say)
+                                    run_dir=run_dir, log=log)
             built.append(store)
         except BaseException:
             for part in reversed(built):
                 part.close()
             display.on_stop(None, {})  # type: ignore[arg-type]
             raise
-        extra = list(callbacks or [])
         standard: list[Callback] = [display, MetricsFile(run_dir / METRICS_FILE,
-                                                         run_dir / "tensorboard" if tc.tensorboard else None),
+                                                         run_dir / TENSORBOARD if tc.tensorboard else None),
                                     Plots(), Sample(tc.sample_prompt, tc.sample_tokens, tc.seed)]
+        scheduled: list[Callback] = [CheckpointFailure(), Evaluation(tc.eval_every, tc.max_steps),
+                                     Checkpoints(ck.every, tc.max_steps)]
         trainer = cls(config, runtime, run_dir=run_dir, datasets=datasets, schedule=Schedule(config, runtime.dp_size),
                       loader=loader, parallel=parallel, optimizers=optimizers, store=store,
-                      callbacks=standard + extra, say=say)
+                      callbacks=standard + list(callbacks or []) + scheduled, log=log)
         trainer.run_lock = lock
         try:
             trainer._resume(resume)
@@ -186,18 +175,18 @@ class Trainer:
         meta = self.store.load(path, self.parts)
         p = self.progress
         self.resumed_from = {"path": str(path), "step": p.step, "source": meta["loaded_from"]}
-        self.say(f"resumed from {path}{' (RAM tier)' if meta['loaded_from'] == 'ram' else ''} (step {p.step}, "
+        self.log(f"resumed from {path}{' (RAM tier)' if meta['loaded_from'] == 'ram' else ''} (step {p.step}, "
                  f"{p.tokens:,} tokens; saved at world size {meta['world_size']} with {meta['parallel']}, now "
                  f"{self.runtime.world_size} with {self.config.train.parallel})")
 
     def _describe(self) -> None:
-        from zaya.train.metrics import device_peak_flops
+        from zaya.core.hardware import device_peak_flops
 
         tc, rt = self.config.train, self.runtime
         self.peak_flops, self.peak_source = device_peak_flops(rt.device, tc.peak_flops, tc.dtype)
         n_params = sum(p.numel() for p in self.parallel.model.parameters())
         train_tokens = sum(d.split("train").num_tokens for d in self.datasets.values())
-        self.say(f"zaya train: {n_params:,} parameters, {rt.world_size} rank(s) ({tc.parallel}, dp {rt.dp_size} x "
+        self.log(f"zaya train: {n_params:,} parameters, {rt.world_size} rank(s) ({tc.parallel}, dp {rt.dp_size} x "
                  f"cp {rt.cp_size}, {rt.device.type}), {train_tokens:,} train tokens ({', '.join(self.datasets)}), "
                  f"{len(self.schedule.stages)} stage(s), dtype {tc.dtype}, peak {self.peak_flops / 1e12:.2f} "
                  f"TFLOP/s ({self.peak_source}); run dir {self.run_dir}"
@@ -216,50 +205,41 @@ class Trainer:
     # --- the loop ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train until train.max_steps (or the data schedule's end, or a stop request); returns a summary."""
-        tc, ck, p = self.config.train, self.config.checkpoint, self.progress
+        tc, p = self.config.train, self.progress
         self.stop_request.install()
         try:
             self._call("on_start")
             if p.step >= tc.max_steps:
-                self.say(f"already at step {p.step} >= max_steps {tc.max_steps}: nothing to train")
+                self.log(f"already at step {p.step} >= max_steps {tc.max_steps}: nothing to train")
             first_val = self.evaluate() if p.step == 0 and tc.eval_every > 0 else None
-            val_loss, schedule_done, interrupted = first_val, False, False
+            schedule_done, interrupted = False, False
             while p.step < tc.max_steps:
+                self._call("on_step_start", p.step + 1)
                 relaunch = self._context_parallel_change()
                 if relaunch:
                     self._close_with_checkpoint("context parallel size change")
-                    self.say(relaunch)
+                    self.log(relaunch)
                     interrupted = True
                     break
                 record = self.step()
                 if record is None:
                     schedule_done = True
                     break
-                self._call("on_step_end", record)
-                if self._checkpoint_failed:
-                    failed = self.store.fatal or self.store.last_outcome
-                    raise CheckpointError(f"checkpoint of step {failed.step if failed else '?'} failed"
-                                          f"{': ' + failed.error if failed else ' on another rank'}; stopping "
-                                          '(checkpoint.on_error = "stop"). The newest checkpoint is '
-                                          f"{self.newest_checkpoint() or 'none'}")
-                if tc.eval_every and p.step % tc.eval_every == 0 and p.step < tc.max_steps:
-                    val_loss = self.evaluate()
-                if self.stop_request.agreed:
+                self._call("on_step_end", record)  # the last callbacks: validation and checkpoints when due
+                if self.stopping:
                     who = self.stop_request.signal_name or "signal on another rank"
                     self._close_with_checkpoint(f"stop requested ({who})")
                     interrupted = True
-                    self.say(f"stopped at step {p.step} on request; resume with the same command")
+                    self.log(f"stopped at step {p.step} on request; resume with the same command")
                     break
-                if ck.every and p.step % ck.every == 0 and p.step < tc.max_steps:
-                    self.save("periodic")
             finished = not interrupted and (p.step >= tc.max_steps or schedule_done)
             if schedule_done:
-                self.say(f"the data schedule ended after {p.tokens:,} tokens (step {p.step})")
+                self.log(f"the data schedule ended after {p.tokens:,} tokens (step {p.step})")
             if finished:
-                val_loss = self.evaluate()
+                self.evaluate()
                 self._close_with_checkpoint("final")
                 self.store.forget_ram_tier()  # a finished run needs no crash-restart copy in host memory
-            summary = {"step": p.step, "tokens": p.tokens, "first_val_loss": first_val, "val_loss": val_loss,
+            summary = {"step": p.step, "tokens": p.tokens, "first_val_loss": first_val, "val_loss": self.val_loss,
                        "first_loss": self._first_loss,
                        "final_loss": sum(self._losses) / len(self._losses) if self._losses else None,
                        "tokens_per_s": self._trained_tokens / self._train_seconds if self._train_seconds else None,
@@ -288,7 +268,7 @@ class Trainer:
         try:
             self.store.forget_ram_tier()
         except OSError as err:  # never hide the run's own error behind this one
-            self.say(f"warning: could not remove the RAM-tier copy ({err})")
+            self.log(f"warning: could not remove the RAM-tier copy ({err})")
 
     def _context_parallel_change(self) -> str:
         """A message when the next step's stage runs with another context-parallel size than this process group
@@ -308,94 +288,52 @@ class Trainer:
         samples): context parallelism's seam is set aside."""
         return full_sequences(self.parallel.model)
 
+    @property
+    def stopping(self) -> bool:
+        """The ranks agreed, in the last step's reduction, to stop after it."""
+        return self.stop_request.agreed
+
+    def scale_lr(self, factor: float) -> None:
+        """Scale the learning rate of the coming step only (a hook's temporary cut, from ``on_step_start``)."""
+        self._lr_scale *= factor
+
+    def skip_batches(self, steps: int) -> int:
+        """Consume the loader's micro-batches of the next ``steps`` steps without training on them; the step and
+        token counters stay, and the loader's position is as if they had been trained on. Returns their count."""
+        p, skipped = self.progress, 0
+        for _ in range(steps):
+            plan = self.schedule.plan(p.step, p.tokens, self.loader.state_dict())
+            if plan is None:
+                break
+            for _ in range(plan.accumulation):
+                try:
+                    next(self.loader)
+                except StopIteration:
+                    break
+                skipped += 1
+        return skipped
+
     def step(self) -> dict[str, Any] | None:
-        """One optimizer step; returns its metrics record, or None when the data schedule has ended."""
+        """One optimizer step (``zaya.train.step``) on the schedule's plan; returns its metrics record, or None
+        when the data schedule has ended."""
         t0 = time.perf_counter()
-        rt, p, model = self.runtime, self.progress, self.parallel.model
+        p = self.progress
         plan = self.schedule.plan(p.step, p.tokens, self.loader.state_dict())
         batches = self._read_micro_batches(plan.accumulation) if plan is not None else None
         if batches is None:
             return None
-        _set_rope_theta(model, plan.rope_theta)
-        set_lr(self.optimizers, self.peaks, plan.lr_factor)
-        global_targets = sum(b.global_targets for b in batches)
-        probe_values = 0 if self.probe is None else self.probe.num_values
-        totals = torch.zeros(self._counts_end + probe_values, dtype=torch.float64, device=rt.device)
-        counts_slot = totals[4:self._counts_end]
-        probe_compared = False
-        if self.probe is not None:
-            # First, with the weights and biases the last step left (and before any backward: FSDP2 wants no
-            # forward between a backward and the optimizer step); compared with the previous step's probe.
-            with self.full_sequences():
-                totals[self._counts_end:], probe_compared = self.probe.measure(model, routers_of(model),
-                                                                               self.autocast)
-        cp = rt.cp_size
-        document_mask = self.config.data.document_mask
-        for i, batch in enumerate(batches):
-            inputs, labels, positions = self._local_tokens(batch)
-            with self.parallel.accumulating(is_last=i == len(batches) - 1), self.autocast():
-                out = self.parallel.module(inputs, labels=labels, position_ids=positions,
-                                           document_mask=document_mask)
-                if cp == 1:
-                    # d(global mean)/d(this rank's mean): its share of the step's targets, times dp (the gradient
-                    # reduction averages over the ranks).
-                    targets = batch.num_targets
-                    objective = out.loss / (global_targets / (targets * rt.grad_size))
-                else:
-                    # This rank's share of the sequence's targets, counted on the device (no host read).
-                    targets = (labels != -100).sum()
-                    objective = out.loss * (targets * rt.grad_size / global_targets)
-                if out.aux_loss is not None:  # a per-micro-batch mean, averaged like the gradients
-                    objective = objective + out.aux_loss / (len(batches) * cp)
-                objective.backward()
-            totals[0] += out.loss.detach().double() * targets
-            totals[1] += targets
-            counts_slot += out.tokens_per_expert.detach().flatten()
-        totals[2] = float(self.stop_request.requested)
-        totals[3] = float(self.store.poll_failed())
-        grad_norm = _clip(self.parallel.module.parameters(), self.config.optim.grad_clip)
-        rt.all_reduce(totals)
-        values = rt.read(torch.cat((totals, grad_norm.reshape(1).double())))  # the step's one host read
-        loss, norm = values[0] / values[1], values[-1]
-        counts = [values[4 + r * self._count_shape[1]: 4 + (r + 1) * self._count_shape[1]]
-                  for r in range(self._count_shape[0])]
-        # Every rank routed the same probe, so the reduction summed world_size equal values.
-        probe = [v / rt.world_size for v in values[self._counts_end:-1]]
-        self.stop_request.agreed = values[2] > 0
-        self._checkpoint_failed = values[3] > 0
+        self.parallel.model.set_rope_theta(plan.rope_theta)
+        set_lr(self.optimizers, self.peaks, plan.lr_factor, self._lr_scale)
+        self._lr_scale = 1.0
+        values = self.train_step(batches)
+        self.stop_request.agreed, self.checkpoint_failed = values.stop_requested, values.checkpoint_failed
         consumed = sum(b.global_tokens for b in batches)
         p.tokens += consumed
-        if not (math.isfinite(loss) and math.isfinite(norm)):
-            return self._non_finite(plan, loss, norm, counts)
+        if not values.finite:
+            return self._non_finite(plan, values)
         p.skipped_in_a_row = 0
-        for opt in self.optimizers:
-            opt.step()
-        # Every gradient, not only the optimizers' own: under zero1 a rank's optimizers hold only the parameters it
-        # owns, and a stale gradient elsewhere would skew the next step's clipping norm.
-        model.zero_grad(set_to_none=True)
-        self.parallel.after_step()
-        update_balancing_biases(model, counts_slot.view(self._count_shape))
         p.step += 1
-        record = self._record(plan, loss, norm, counts, consumed, time.perf_counter() - t0)
-        if probe:
-            layers = self._count_shape[0]
-            record["router_flip_rate"] = [round(v, 5) for v in probe[:layers]] if probe_compared else None
-            record["router_token_entropy"] = [round(v, 5) for v in probe[layers:]]
-        return record
-
-    def _local_tokens(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(input ids, labels, position ids) of this rank on its device: under context parallelism its zigzag
-        chunks, with their global positions (cut on the host: no device work, no read)."""
-        from zaya.distributed.context_parallel import shard
-
-        rt = self.runtime
-        inputs, labels, positions = batch.input_ids, batch.labels, batch.position_ids
-        if rt.cp_size > 1:
-            if positions is None:
-                positions = torch.arange(inputs.shape[1], device="cpu").expand(inputs.shape[0], -1)
-            inputs, labels, positions = (shard(t, rt.cp_size, rt.cp_rank) for t in (inputs, labels, positions))
-        return (rt.to_device(inputs), rt.to_device(labels),
-                None if positions is None else rt.to_device(positions))
+        return self._record(plan, values, consumed, time.perf_counter() - t0)
 
     def _read_micro_batches(self, n: int) -> list | None:
         batches = []
@@ -406,8 +344,7 @@ class Trainer:
                 return None
         return batches
 
-    def _record(self, plan, loss: float, norm: float, counts: list[list[float]], consumed: int,
-                seconds: float) -> dict[str, Any]:
+    def _record(self, plan, values: StepValues, consumed: int, seconds: float) -> dict[str, Any]:
         from zaya.train.metrics import expert_load_stats
 
         seq_len = plan.stage.seq_len
@@ -416,32 +353,37 @@ class Trainer:
 
             self._flops_per_token[seq_len] = 3 * sum(forward_flops_per_token(self.config.model, seq_len // 2).values())
         tok_s = consumed / seconds
-        self._losses.append(loss)
-        self._first_loss = loss if self._first_loss is None else self._first_loss
+        self._losses.append(values.loss)
+        self._first_loss = values.loss if self._first_loss is None else self._first_loss
         self._train_seconds += seconds
         self._trained_tokens += consumed
-        return {"kind": "train", "step": self.progress.step, "loss": loss,
-                "lr": self.optimizers[-1].param_groups[0]["lr"], "grad_norm": norm, "tokens": self.progress.tokens,
-                "tokens_per_s": tok_s, "step_time_s": seconds,
-                "mfu": self._flops_per_token[seq_len] * tok_s / (self.peak_flops * self.runtime.world_size),
-                "stage": plan.stage.name, "seq_len": seq_len, "global_batch_tokens": consumed,
-                "accumulation": plan.accumulation, **expert_load_stats(counts, self.config.model.num_experts),
-                "time": time.time()}
+        record = {"kind": "train", "step": self.progress.step, "loss": values.loss,
+                  "lr": self.optimizers[-1].param_groups[0]["lr"], "grad_norm": values.grad_norm,
+                  "tokens": self.progress.tokens, "tokens_per_s": tok_s, "step_time_s": seconds,
+                  "mfu": self._flops_per_token[seq_len] * tok_s / (self.peak_flops * self.runtime.world_size),
+                  "stage": plan.stage.name, "seq_len": seq_len, "global_batch_tokens": consumed,
+                  "accumulation": plan.accumulation,
+                  **expert_load_stats(values.expert_counts, self.config.model.num_experts), "time": time.time()}
+        if values.probe:
+            layers = self.config.model.num_layers
+            record["router_flip_rate"] = [round(v, 5) for v in values.probe[:layers]] if values.probe_compared \
+                else None
+            record["router_token_entropy"] = [round(v, 5) for v in values.probe[layers:]]
+        return record
 
-    def _non_finite(self, plan, loss: float, norm: float, counts: list[list[float]]) -> dict[str, Any]:
+    def _non_finite(self, plan, values: StepValues) -> dict[str, Any]:
         """Skip the step (train.on_nan = "skip", up to max_skipped_steps in a row) or stop naming the checkpoint."""
         from zaya.train.metrics import expert_load_stats
 
-        tc, p = self.config.train, self.progress
-        self.parallel.model.zero_grad(set_to_none=True)
-        load = expert_load_stats(counts, self.config.model.num_experts)
+        tc, p, loss = self.config.train, self.progress, values.loss
+        load = expert_load_stats(values.expert_counts, self.config.model.num_experts)
         detail = (f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step {p.step + 1} "
-                  f"(loss {loss}, grad norm {norm}, stage {plan.stage.name}); expert load max/mean per layer "
-                  f"{load['expert_load_max_over_mean']}, skip share {load['skip_fraction']}")
+                  f"(loss {loss}, grad norm {values.grad_norm}, stage {plan.stage.name}); expert load max/mean per "
+                  f"layer {load['expert_load_max_over_mean']}, skip share {load['skip_fraction']}")
         if tc.on_nan == "skip" and p.skipped_in_a_row < tc.max_skipped_steps:
             p.skipped_in_a_row += 1
             p.step += 1
-            self.say(f"warning: {detail}; batch skipped ({p.skipped_in_a_row} in a row)")
+            self.log(f"warning: {detail}; batch skipped ({p.skipped_in_a_row} in a row)")
             return {"kind": "train", "step": p.step, "skipped": True, "loss": loss, "tokens": p.tokens,
                     "time": time.time()}
         raise NonFiniteLossError(f"{detail}. Last good checkpoint: {self.newest_checkpoint() or 'none'}. Lower "
@@ -449,7 +391,8 @@ class Trainer:
 
     # --- evaluation and checkpoints ------------------------------------------------------------------------
     def evaluate(self) -> float | None:
-        """Validation loss over every dataset's val split at the current stage's shape (collective)."""
+        """Validation loss over every dataset's val split at the current stage's shape (collective); also kept as
+        ``val_loss`` for the summary."""
         from zaya.eval.perplexity import loss_totals, perplexity
 
         rt, dc, p = self.runtime, self.config.data, self.progress
@@ -463,12 +406,11 @@ class Trainer:
                                       dc.val_batches, "val", self.config.train.dtype, rt)
             total += part
         loss_sum, count = rt.read(rt.all_reduce(total, over="dp"))
-        if count == 0:
-            return None
-        val_loss = loss_sum / count
-        self._call("on_evaluation", {"kind": "val", "step": p.step, "tokens": p.tokens, "val_loss": val_loss,
-                                     "val_ppl": perplexity(val_loss), "time": time.time()})
-        return val_loss
+        self.val_loss = None if count == 0 else loss_sum / count
+        if self.val_loss is not None:
+            self._call("on_evaluation", {"kind": "val", "step": p.step, "tokens": p.tokens, "val_loss": self.val_loss,
+                                         "val_ppl": perplexity(self.val_loss), "time": time.time()})
+        return self.val_loss
 
     def save(self, reason: str) -> None:
         """Checkpoint now (collective). Periodic saves run in the background (checkpoint.async_save); any other
@@ -508,7 +450,7 @@ class Trainer:
             self.run_lock.release()
 
 
-def _prepare_run_dir(config: Config, rt: Runtime, run_dir: Path, resume: str, say) -> RunLock | None:
+def _prepare_run_dir(config: Config, rt: Runtime, run_dir: Path, resume: str, log) -> RunLock | None:
     """Rank 0 takes the run directory (its lock: one job per run directory) and prepares it; then every rank must
     see it (a marker file). Returns rank 0's lock (None on the other ranks)."""
     from zaya.distributed.shared_fs import check_shared_directory
@@ -516,7 +458,7 @@ def _prepare_run_dir(config: Config, rt: Runtime, run_dir: Path, resume: str, sa
     error, lock = None, None
     if rt.is_main:
         try:
-            lock = prepare_run_dir(run_dir, config, resume, say)
+            lock = prepare_run_dir(run_dir, config, resume, log)
         except Exception as exc:  # every rank must learn that rank 0 failed, or they hang in the next collective
             error = disk_full(exc, run_dir, "preparing the run directory", RUN_DIR_ELSEWHERE) or exc
     try:
@@ -527,37 +469,6 @@ def _prepare_run_dir(config: Config, rt: Runtime, run_dir: Path, resume: str, sa
             lock.release()
         raise
     return lock
-
-
-class full_sequences:  # noqa: N801 - a context manager used like a function
-    """Within it, ``model`` attends over whole sequences in each process (the local sequence seam)."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    def __enter__(self):
-        from zaya.model.attention import LOCAL_SEQUENCE
-
-        self.seam = self.model.sequence_seam
-        self.model.set_sequence_seam(LOCAL_SEQUENCE)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.model.set_sequence_seam(self.seam)
-
-
-def _set_rope_theta(model, theta: float) -> None:
-    if model.rope.theta != theta:
-        model.rope.theta = theta
-        model.rope.reset_parameters()
-
-
-def _clip(params, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm (over all ranks' shards under FSDP); the norm before clipping, on the device,
-    the same on every rank."""
-    grads = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm > 0 else float("inf"))
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def train(config: Config, resume: str = "auto", callbacks: list[Callback] | None = None) -> dict[str, Any]:

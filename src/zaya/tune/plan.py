@@ -280,8 +280,7 @@ class StageShape:
 
 def stage_shapes(config: Config, gpus: int, last_stage_tokens: int | None = None) -> list[StageShape]:
     """The data schedule's stages with their token budgets and global batch (at the stage's start)."""
-    from zaya.optim.build import global_batch_tokens
-    from zaya.train.schedule import stages_of
+    from zaya.train.schedule import global_batch_tokens, stages_of
 
     tc = config.train
     out: list[StageShape] = []
