@@ -1,4 +1,7 @@
-"""Shared fixtures: a private cache directory for every test session, and a small prepared Shakespeare dataset."""
+"""Shared fixtures: a private cache directory for every test session, one intra-op thread, a small prepared
+Shakespeare dataset, the micro training config, and one micro run trained once per session."""
+
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +12,22 @@ def _private_cache(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("ZAYA_CACHE_DIR", str(tmp_path_factory.mktemp("zaya-cache")))
     yield
+    mp.undo()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """One intra-op thread in the test process and (OMP_NUM_THREADS) in the processes it starts, as every rank has:
+    the models here are tiny, and on a busy 2-core machine the thread pool's hand-offs made them several times
+    slower (tests/test_model.py: 61 s with two threads, 18 s with one)."""
+    import torch
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OMP_NUM_THREADS", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
     mp.undo()
 
 
@@ -74,3 +93,21 @@ def micro_config(tmp_path, shakespeare_dataset):
         return path
 
     return write
+
+
+MICRO_RUN_STEPS = 2
+
+
+@pytest.fixture(scope="session")
+def micro_run(tmp_path_factory, shakespeare_dataset) -> Path:
+    """The micro config trained for ``MICRO_RUN_STEPS`` steps with a checkpoint at each (no evaluation, no samples),
+    once per session; its run directory. Tests only read it: one that alters a run alters a copy."""
+    from zaya.config import load_config
+    from zaya.train.trainer import train
+
+    root = tmp_path_factory.mktemp("micro-run")
+    cfg = root / "micro.toml"
+    cfg.write_text(MICRO_CONFIG.format(dataset=shakespeare_dataset, run_dir=root / "run"))
+    train(load_config(cfg, [f"train.max_steps={MICRO_RUN_STEPS}", "checkpoint.every=1", "train.eval_every=0",
+                            "train.sample_tokens=0"]))
+    return root / "run"

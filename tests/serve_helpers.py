@@ -1,10 +1,12 @@
-"""Shared by the serving tests: a tiny random model on the 512-entry Shakespeare tokenizer, and a uvicorn server
-on a free loopback port in a background thread."""
+"""Shared by the serving tests: a tiny random model on the 512-entry Shakespeare tokenizer (and saved as a
+checkpoint beside a tokenizer), and a uvicorn server on a free loopback port in a background thread."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,6 +25,18 @@ def served_model(vocab_size: int = 512, max_seq_len: int = 128, seed: int = 0) -
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     return model
+
+
+def served_checkpoint(directory: Path, tokenizer: Path, max_seq_len: int = 128) -> Path:
+    """``served_model`` saved as a zaya checkpoint in ``directory``, with a copy of ``tokenizer`` beside it listed in
+    its SHA256SUMS (a file the manifest does not list is refused at load)."""
+    from zaya.model.checksums import write_checksums
+    from zaya.model.io import save_checkpoint
+
+    save_checkpoint(served_model(max_seq_len=max_seq_len), directory)
+    shutil.copy(tokenizer, Path(directory) / "tokenizer.json")
+    write_checksums(directory)
+    return Path(directory)
 
 
 class ServerThread:

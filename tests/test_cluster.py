@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MICRO_CONFIG
-from dist_helpers import run_ranks
+from dist_helpers import run_ok, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -78,10 +78,7 @@ def test_ranks_that_do_not_share_the_run_dir_or_the_data_fail_at_start_up(tmp_pa
     bundle = manifest["splits"]["train"]["bundles"][0]
     bundle["sha256"] = "0" + bundle["sha256"][1:]  # another bundle checksum: another dataset as far as ranks tell
     (other / "manifest.json").write_text(json.dumps(manifest))
-    results = run_ranks(_sharing, 2, str(tmp_path), str(shakespeare_dataset), str(other))
-    for r in results:
-        assert r.error is None, r.error
-    a, b = results[0].value, results[1].value
+    a, b = run_ok(_sharing, 2, str(tmp_path), str(shakespeare_dataset), str(other))
     for key in a:
         assert a[key] == b[key] or (a[key] != "ok" and b[key] != "ok" and a[key][0] == b[key][0]), \
             f"{key}: the ranks disagree: {a[key]} / {b[key]}"
@@ -127,18 +124,15 @@ def _strict_step(rank: int, world: int, dataset: str, root: str, mode: str) -> d
 
 @pytest.mark.parametrize("mode", ["zero1", "fsdp", "ddp+cp2"])
 def test_a_step_keeps_to_its_host_read_budget_with_strict_devices(tmp_path, shakespeare_dataset, mode):
-    results = run_ranks(_strict_step, 2, str(shakespeare_dataset), str(tmp_path), mode,
-                        env={"ZAYA_STRICT_DEVICES": "1"})
-    for r in results:
-        assert r.error is None, r.error
-        v = r.value
+    results = run_ok(_strict_step, 2, str(shakespeare_dataset), str(tmp_path), mode, env={"ZAYA_STRICT_DEVICES": "1"})
+    for rank, v in enumerate(results):
         assert v["accumulation"] == 2
         # The budget (two: the step's scalars, and Muon's drift checks when a matrix takes the Gram path; the micro
         # model has none) holds under ZeRO-1 and FSDP2 as in one process, however many micro-batches.
         assert v["reads"] <= 1 < v["budget"] == 2, v["report"]
         cp = 2 if "+cp2" in mode else 1
-        assert v["mesh"] == (("dp", "cp"), 2 // cp, cp, r.rank // cp)
-    assert results[0].value["loss"] == results[1].value["loss"]
+        assert v["mesh"] == (("dp", "cp"), 2 // cp, cp, rank // cp)
+    assert results[0]["loss"] == results[1]["loss"]
 
 
 def _lose_a_rank(rank: int, world: int, dataset: str, root: str) -> dict:

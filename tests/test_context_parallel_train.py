@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import MICRO_CONFIG
-from dist_helpers import run_ranks
+from dist_helpers import run_ok, run_ranks
+from model_helpers import tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -78,10 +79,7 @@ def test_cp2_training_equals_one_process(tmp_path, shakespeare_dataset, one_proc
                                          recompute):
     train = {"context_parallel": 2, "context_parallel_method": method, "parallel": parallel,
              "activation_checkpointing": recompute}
-    results = run_ranks(_train, 2, str(shakespeare_dataset), str(tmp_path / "cp"),
-                        {"train": train, "data": DOCS if docs else {}})
-    for r in results:
-        assert r.error is None, r.error
+    run_ok(_train, 2, str(shakespeare_dataset), str(tmp_path / "cp"), {"train": train, "data": DOCS if docs else {}})
     got = losses(tmp_path / "cp")
     assert _close(got, one_process[docs]), (got, one_process[docs])
 
@@ -91,9 +89,7 @@ def test_dp2_by_cp2_on_four_ranks_equals_one_process(tmp_path, shakespeare_datas
     """Two data-parallel groups of two cp ranks: one process with the same global batch (accumulating 2)."""
     reference = _single(shakespeare_dataset, tmp_path / "one", train={"global_batch_tokens": 256, "max_steps": 2})
     train = {"context_parallel": 2, "global_batch_tokens": 256, "max_steps": 2, "parallel": "zero1"}
-    results = run_ranks(_train, 4, str(shakespeare_dataset), str(tmp_path / "cp"), {"train": train})
-    for r in results:
-        assert r.error is None, r.error
+    run_ok(_train, 4, str(shakespeare_dataset), str(tmp_path / "cp"), {"train": train})
     assert _close(losses(tmp_path / "cp"), reference)
 
 
@@ -105,8 +101,7 @@ def test_a_checkpoint_resumes_at_another_cp_size(tmp_path, shakespeare_dataset, 
         if cp == 1:
             _single(shakespeare_dataset, run, **tables)
         else:
-            for r in run_ranks(_train, cp, str(shakespeare_dataset), run, tables):
-                assert r.error is None, r.error
+            run_ok(_train, cp, str(shakespeare_dataset), run, tables)
     assert _close(losses(run), one_process[False]), (losses(run), one_process[False])
 
 
@@ -156,13 +151,7 @@ def test_a_cp_size_the_processes_cannot_hold_is_a_config_error_naming_the_fix(tm
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients():
-    from zaya.config import ModelConfig
-    from zaya.model import ZayaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, num_layers=3, num_query_heads=2, num_kv_heads=2, head_dim=32,
-                      num_experts=4, expert_hidden_size=64, router_hidden_size=16, max_seq_len=64)
-    model = ZayaForCausalLM(cfg)
+    model = tiny_model(vocab_size=128, hidden_size=64, num_query_heads=2, head_dim=32, expert_hidden_size=64)
     ids = torch.randint(0, 128, (2, 32))
     grads = []
     for recompute in (False, True):

@@ -1,6 +1,6 @@
 """`zaya export`: one consolidated, inference-ready copy of a training run, bit-exact in both layouts, written
 atomically; the refusals (existing destination, incomplete checkpoint, missing source, unknown format) are one-line
-errors that write nothing. One micro run of 2 steps is trained for the whole module."""
+errors that write nothing. The session's micro run (2 steps) is what they export."""
 
 from __future__ import annotations
 
@@ -13,30 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MICRO_CONFIG
+from conftest import MICRO_RUN_STEPS as STEPS
 from zaya.checkpoint.consolidate import load_for_inference
 from zaya.checkpoint.export import export
 from zaya.cli import main
 from zaya.model.hf import load_hf
 from zaya.model.load import load_directory as load_pretrained
 
-STEPS = 2
-
-
-def train_micro_run(root: Path, dataset: Path, steps: int, *overrides: str) -> Path:
-    """Train the micro config for ``steps`` steps (no evaluation, no samples) into ``root``/run; the run directory."""
-    from zaya.config import load_config
-    from zaya.train.trainer import train
-
-    cfg = root / "micro.toml"
-    cfg.write_text(MICRO_CONFIG.format(dataset=dataset, run_dir=root / "run"))
-    train(load_config(cfg, [f"train.max_steps={steps}", "train.eval_every=0", "train.sample_tokens=0", *overrides]))
-    return root / "run"
-
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, shakespeare_dataset) -> Path:
-    return train_micro_run(tmp_path_factory.mktemp("export"), shakespeare_dataset, STEPS)
+def run(micro_run) -> Path:
+    return micro_run
 
 
 @pytest.fixture(scope="module")
@@ -148,22 +135,22 @@ def test_an_interrupted_export_leaves_no_directory_and_keeps_the_old_one(tmp_pat
                                                                          interrupt):
     import zaya.model.hf as zhf
 
-    real_save = zhf.save_file
+    real_save = zhf.save_safetensors
 
     def failing_save(tensors, path, metadata=None):
         real_save(tensors, path, metadata=metadata)  # one file written: fail half way through the export
         raise interrupt("injected")
 
     out = tmp_path / "out"
-    monkeypatch.setattr(zhf, "save_file", failing_save)
+    monkeypatch.setattr(zhf, "save_safetensors", failing_save)
     with pytest.raises(interrupt):
         export(run, out)
     assert list(tmp_path.iterdir()) == []
 
-    monkeypatch.setattr(zhf, "save_file", real_save)
+    monkeypatch.setattr(zhf, "save_safetensors", real_save)
     export(run, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    monkeypatch.setattr(zhf, "save_file", failing_save)
+    monkeypatch.setattr(zhf, "save_safetensors", failing_save)
     if interrupt is KeyboardInterrupt:  # the CLI: exit 130, the old export untouched
         assert main(["export", "--checkpoint", str(run), "--to", str(out), "--force"]) == 130
         assert "interrupted" in capsys.readouterr().err
@@ -191,6 +178,9 @@ def test_incomplete_checkpoint_is_refused(tmp_path, capsys, run):
 def test_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, capsys, run):
     bad = tmp_path / "bad-run"
     shutil.copytree(run, bad)
+    for older in (bad / "checkpoints").glob("step-*"):  # the newest alone: no earlier checkpoint to fall back to
+        if older.name != step_dir(run).name:
+            shutil.rmtree(older)
     victim = max((bad / "checkpoints" / step_dir(run).name).glob("*.distcp"), key=lambda f: f.stat().st_size)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x10

@@ -27,16 +27,6 @@ from zaya.config import ModelConfig, load_config  # noqa: E402
 from zaya.model.attention import Attention  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: these matrices are tiny, and on a busy 2-core machine the thread pool's hand-offs made
-    a sweep case 10x slower (9 s instead of 0.8 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ------------------------------------------------------------------------------------------------------ the split
 @torch.no_grad()
 def test_cca_value_split_is_over_channels_not_heads():

@@ -12,7 +12,7 @@ falls back to the previous checkpoint of a run as training does.
   and a sharded index pointing at a missing shard or the wrong one, are each refused naming the file.
 - Exported files are 0644 and directories 0755 under umask 022 (and follow another umask).
 
-One micro run (2 steps, a checkpoint at each) and its two exports are made once for the module."""
+The session's micro run (2 steps, a checkpoint at each) is the run; its two exports are made once for the module."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import zaya
-from test_export import train_micro_run
+from conftest import MICRO_RUN_STEPS as STEPS
 from zaya.checkpoint.commit import FileRecord, checksum_file, read_commit, write_commit
 from zaya.checkpoint.consolidate import load_for_inference
 from zaya.checkpoint.export import export
@@ -44,13 +44,12 @@ from zaya.cli import main
 from zaya.core.errors import CheckpointError
 from zaya.model.checksums import MANIFEST, write_checksums
 
-STEPS = 2
 
 
 # ------------------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, shakespeare_dataset) -> Path:
-    return train_micro_run(tmp_path_factory.mktemp("hostile"), shakespeare_dataset, STEPS, "checkpoint.every=1")
+def run(micro_run) -> Path:
+    return micro_run
 
 
 @pytest.fixture(scope="module")

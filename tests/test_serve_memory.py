@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_helpers import served_model
+from serve_helpers import served_checkpoint, served_model
 from zaya.serve.generate import generate
 
 HUGE = 2**40
@@ -19,14 +19,8 @@ LONG = 10**9
 @pytest.fixture(scope="module")
 def huge_context(shakespeare_dataset, tmp_path_factory):
     """A checkpoint whose config says max_seq_len = 10**9 (nothing in the model is sized by it)."""
-    import shutil
-
-    from zaya.model.io import save_checkpoint
-
-    d = tmp_path_factory.mktemp("huge") / "ckpt"
-    save_checkpoint(served_model(vocab_size=512, max_seq_len=LONG), d)
-    shutil.copy(shakespeare_dataset / "tokenizer.json", d / "tokenizer.json")
-    return d
+    return served_checkpoint(tmp_path_factory.mktemp("huge") / "ckpt", shakespeare_dataset / "tokenizer.json",
+                             max_seq_len=LONG)
 
 
 def test_bytes_needed_is_what_a_decoder_allocates():

@@ -5,7 +5,6 @@ other machines reach without an API key prints a warning; the key from $ZAYA_API
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,17 +15,13 @@ import httpx
 import pytest
 
 from dist_helpers import free_port
-from serve_helpers import post_json, served_model
+from serve_helpers import post_json, served_checkpoint
 
 
 @pytest.fixture(scope="module")
 def checkpoint(shakespeare_dataset, tmp_path_factory):
-    from zaya.model.io import save_checkpoint
-
-    d = tmp_path_factory.mktemp("serve-ckpt") / "tiny"
-    save_checkpoint(served_model(vocab_size=512, max_seq_len=4096), d)
-    shutil.copy(shakespeare_dataset / "tokenizer.json", d / "tokenizer.json")
-    return d
+    return served_checkpoint(tmp_path_factory.mktemp("serve-ckpt") / "tiny", shakespeare_dataset / "tokenizer.json",
+                             max_seq_len=4096)
 
 
 def _start(checkpoint, tmp_path, *extra: str, key: str = "") -> tuple[subprocess.Popen, str, object]:

@@ -6,11 +6,10 @@ at load, a much smaller one warned about, and ids it does not have decode visibl
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from serve_helpers import ServerThread, post_json, served_model
+from serve_helpers import ServerThread, post_json, served_checkpoint, served_model
 
 PANIC_TEXT = "a" * 40 + "!"
 
@@ -82,11 +81,8 @@ def test_any_library_failure_is_translated_but_not_an_interrupt(panicking, monke
 
 
 def _checkpoint(directory, tokenizer_change, shakespeare_dataset):
-    from zaya.model.io import save_checkpoint
-
-    save_checkpoint(served_model(vocab_size=512, max_seq_len=64), directory)
-    _write_tokenizer(shakespeare_dataset, directory / "tokenizer.json", tokenizer_change)
-    return directory
+    tokenizer = _write_tokenizer(shakespeare_dataset, directory.parent / "changed" / "tokenizer.json", tokenizer_change)
+    return served_checkpoint(directory, tokenizer, max_seq_len=64)
 
 
 def test_zaya_generate_with_a_panicking_tokenizer_exits_2(tmp_path, shakespeare_dataset, capsys):

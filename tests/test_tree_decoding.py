@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helpers import free_port, run_ranks
+from dist_helpers import free_port, run_ok
 from model_helpers import perturb, tiny_config, tiny_model
 from zaya.cli import main
 from zaya.distributed.runtime import Runtime
@@ -38,16 +38,6 @@ CASES = {
     3: [({}, 7), (dict(attention="mha", num_kv_heads=4, router_eda=False), 2)],
     4: [({}, 3), ({}, 1), ({}, 10)],
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread in this process, as each spawned rank has: on a shared 2-core machine two threads spin
-    against the ranks and other work (a tiny decode step went from 15 ms to 0.5 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def build_model(overrides: dict, seed: int = 3) -> ZayaForCausalLM:
@@ -119,15 +109,12 @@ def _decode_worlds(rank: int, processes: int, ports: dict[int, int]) -> dict:
 @pytest.fixture(scope="module")
 def sharded_runs():
     worlds = [w for w in CASES if w > 1]
-    results = run_ranks(_decode_worlds, max(worlds), {w: free_port() for w in worlds})
-    for r in results:
-        assert r.error is None, r.error
-    return results
+    return run_ok(_decode_worlds, max(worlds), {w: free_port() for w in worlds})
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_sharded_decoding_matches_one_process(world, sharded_runs):
-    results = [r.value[world] for r in sharded_runs[:world]]
+    results = [ranks[world] for ranks in sharded_runs[:world]]
     layers = tiny_config().num_layers
     expected_logits = []
     for overrides, prompt in CASES[world]:
@@ -230,6 +217,7 @@ def test_errors_name_the_fix():
 def checkpoint(tmp_path_factory):
     """A tiny random zaya checkpoint with a 320-entry BPE beside it."""
     from zaya.data.tokenizer import Tokenizer
+    from zaya.model.checksums import write_checksums
     from zaya.model.io import save_checkpoint
 
     directory = tmp_path_factory.mktemp("tree") / "ckpt"
@@ -238,6 +226,7 @@ def checkpoint(tmp_path_factory):
     model = build_model(dict(vocab_size=320, eos_token_id=tokenizer.special.eos, num_layers=2))
     save_checkpoint(model, directory)
     tokenizer.save(directory / "tokenizer.json")
+    write_checksums(directory)  # the tokenizer is part of the checkpoint
     return directory
 
 
