@@ -121,9 +121,9 @@ def test_remove_takes_a_given_up_runs_directory_only_when_it_is_the_users_alone(
 
 
 def _fail_at_step(monkeypatch, step: int, exc: BaseException) -> None:
-    import zaya.train.step as step
+    import zaya.train.step as step_module
 
-    calls, real = {"n": 0}, step.clip_gradients
+    calls, real = {"n": 0}, step_module.clip_gradients
 
     def clip(params, max_norm):
         calls["n"] += 1
@@ -131,7 +131,7 @@ def _fail_at_step(monkeypatch, step: int, exc: BaseException) -> None:
             raise exc
         return real(params, max_norm)
 
-    monkeypatch.setattr(step, "clip_gradients", clip)
+    monkeypatch.setattr(step_module, "clip_gradients", clip)
 
 
 @pytest.mark.parametrize("supervised,error,kept", [

@@ -10,9 +10,9 @@ From those it gives, per MoE layer:
 * the token entropy: the mean over tokens of the router distribution's entropy over its classes, divided by
   log(classes) (1 = a router that cannot tell its classes apart, 0 = certain).
 
-Everything stays on the device: ``measure`` returns a tensor that the trainer folds into the step's reduced
-scalars, so the probe adds no host read. It costs one forward pass of ``seq_len`` tokens per step. After a resume
-the previous choices are unknown, so the first step's flip rate is reported as missing (None).
+Everything stays on the device: ``measure`` returns a tensor that the step (``zaya.train.step``) folds into its
+reduced scalars, so the probe adds no host read. It costs one forward pass of ``seq_len`` tokens per step. After a
+resume the previous choices are unknown, so the first step's flip rate is reported as missing (None).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from contextlib import ExitStack
 
 import torch
 from torch import nn
-
 
 
 class RoutingProbe:
