@@ -37,7 +37,7 @@ def test_a_padded_metadata_is_refused_before_it_is_unpickled(tmp_path, run):
     recommit(step)
     start = time.monotonic()
     outcome = in_child(lambda: read_metadata(step), timeout=60)
-    assert outcome[0] == "error" and "more than its checkpoint's data files hold" in outcome[1], outcome
+    assert outcome[0] == "error" and "more than the data files it describes" in outcome[1], outcome
     assert time.monotonic() - start < 30
 
 

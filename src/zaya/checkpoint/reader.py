@@ -69,7 +69,7 @@ def read_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"{file} is not listed in {directory}/COMMIT; the checkpoint is damaged: use another "
                               "one")
     data_bytes = sum(r.size for name, r in records.items() if name not in (METADATA, "meta.json"))
-    data = _read_regular(file, max(METADATA_FLOOR_BYTES, data_bytes))
+    data = _read_regular(file, data_bytes)
     try:
         metadata = unpickle_metadata(data)
     except Refused as exc:
@@ -101,10 +101,10 @@ def _read_regular(file: Path, data_bytes: int) -> bytes:
         if info.st_size > MAX_METADATA_BYTES:
             raise CheckpointError(f"{file} has {info.st_size:,} bytes, more than the {MAX_METADATA_BYTES:,} zaya "
                                   f"reads (about 6 million chunks); {UNTRUSTED}")
-        if info.st_size > data_bytes:
-            raise CheckpointError(f"{file} has {info.st_size:,} bytes, more than its checkpoint's data files hold "
-                                  f"({data_bytes:,} bytes): a metadata describes its data in far fewer bytes than "
-                                  f"the data takes; {UNTRUSTED}")
+        if info.st_size > max(METADATA_FLOOR_BYTES, data_bytes):
+            raise CheckpointError(f"{file} has {info.st_size:,} bytes, more than the data files it describes "
+                                  f"({data_bytes:,} bytes; a metadata takes far fewer bytes than its data, and "
+                                  f"{METADATA_FLOOR_BYTES:,} are always allowed); {UNTRUSTED}")
         try:
             return fh.read(MAX_METADATA_BYTES + 1)
         except OSError as exc:
