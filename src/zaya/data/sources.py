@@ -124,7 +124,7 @@ def expand_inputs(inputs: list[str]) -> list[str | Path]:
 MAX_GZIP_RATIO = 100
 """How many times its compressed size a .gz input may expand to (text compresses 3-5x; 1 MB of gzip expanded to
 1 GB of NULs, which ``data prepare`` then tokenized at 1 MB/s for a quarter of an hour)."""
-GZIP_RATIO_AFTER = 64 << 20
+GZIP_RATIO_AFTER = 4 << 20
 """The ratio is checked once this much has been decompressed (a small file may compress better)."""
 
 
