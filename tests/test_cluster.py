@@ -95,7 +95,8 @@ def test_ranks_that_do_not_share_the_run_dir_or_the_data_fail_at_start_up(tmp_pa
 def _strict_step(rank: int, world: int, dataset: str, root: str, mode: str) -> dict:
     from zaya.distributed.checks import ExplicitDevices, HostReads
     from zaya.distributed.runtime import start
-    from zaya.train.trainer import HOST_READS_PER_STEP, Trainer
+    from zaya.train.step import HOST_READS_PER_STEP
+    from zaya.train.trainer import Trainer
 
     parallel, _, cp = mode.partition("+cp")
     cp = int(cp or 1)

@@ -114,7 +114,7 @@ def test_a_stage_with_another_cp_size_stops_with_a_checkpoint_and_says_how_to_re
     config = micro(shakespeare_dataset, tmp_path / "run", stages=stages)
     messages: list[str] = []
     trainer = Trainer.build(config, start(), resume="never")
-    trainer.say = messages.append
+    trainer.log = messages.append
     try:
         summary = trainer.fit()
     finally:
