@@ -90,7 +90,7 @@ def test_a_failed_final_save_stops_with_the_newest_good_checkpoint_whatever_on_e
                                              "train.sample_tokens=0", 'checkpoint.on_error="continue"',
                                              f"checkpoint.async_save={str(async_save).lower()}"])
     logs: list[str] = []
-    monkeypatch.setattr("zaya.train.callbacks.ProgressDisplay.say", lambda self, text: logs.append(text))
+    monkeypatch.setattr("zaya.train.callbacks.ProgressDisplay.log", lambda self, text: logs.append(text))
     with pytest.raises(CheckpointError) as err:
         train(config, resume="never")
     message = str(err.value)
@@ -190,8 +190,8 @@ def test_a_metrics_file_that_cannot_be_written_is_exit_5_naming_it(tmp_path):
 
     log = MetricsLog(tmp_path / "metrics.jsonl", True)
     log.write({"kind": "train", "step": 1})
-    log._fh.close()
-    log._fh = Full()
+    log._file._fh.close()
+    log._file._fh = Full()
     with pytest.raises(DiskFullError) as err:
         log.write({"kind": "train", "step": 2})
     assert str(err.value).startswith(f"writing metrics.jsonl: {tmp_path}: No space left on device (")
