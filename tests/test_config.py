@@ -39,7 +39,7 @@ def test_unknown_table_suggests_the_nearest(tmp_path):
     ("top_k = 17", "top_k", "must not exceed num_experts"),
     ('attention = "mha"\nnum_kv_heads = 2', "num_kv_heads", "must equal num_query_heads"),
     ("rope_fraction = 0.3", "rope_fraction", "even whole number"),
-    ('router = "sinkhorn"', "router", "must be one of"),
+    ('router = "sinkhorn"', "router", 'must be "zaya" or "linear"'),
 ])
 def test_shape_rules_fail_at_load(tmp_path, text, key, rule):
     with pytest.raises(ConfigError) as err:

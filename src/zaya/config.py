@@ -14,7 +14,7 @@ import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from zaya.core.errors import ConfigError
 from zaya.core.fsutil import atomic_write_text
@@ -48,6 +48,24 @@ def ranged(default: int, lo: int = 0, hi: int | str = INT_LIMIT, *, resumable: b
     return field(default=default, metadata={"range": (lo, hi), "resumable": resumable})
 
 
+ParallelMode = Literal["ddp", "zero1", "fsdp"]
+"""How parameters, gradients and optimizer state spread over data-parallel ranks (train.parallel)."""
+PARALLEL_MODES: tuple[str, ...] = get_args(ParallelMode)
+
+
+def check_choices(config: Any, table: str) -> None:
+    """The one rule of choice fields: a field declared as ``Literal[...]`` holds one of its choices, else a
+    ConfigError naming ``table.key``, the value and every choice (run by each table's ``__post_init__``, so a config
+    built in Python is checked as one read from TOML)."""
+    hints = get_type_hints(type(config))
+    for f in fields(config):
+        choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else ()
+        value = getattr(config, f.name)
+        if choices and not (isinstance(value, str) and value in choices):
+            listed = ", ".join(f'"{c}"' for c in choices[:-1]) + f' or "{choices[-1]}"'
+            raise ConfigError(f"{table}.{f.name} = {value!r}: must be {listed}")
+
+
 @dataclass
 class ModelConfig:
     """Shape and behaviour of a ZAYA1-style MoE decoder. Defaults are the published ZAYA1-base shape."""
@@ -58,7 +76,7 @@ class ModelConfig:
     """Width of the residual stream."""
     num_layers: int = ranged(40, 1, 2**12)
     """Number of decoder layers; each is one attention block followed by one MoE block."""
-    attention: str = "cca"
+    attention: Literal["cca", "gqa", "mha"] = "cca"
     """Attention kind: "cca" (compressed convolutional GQA, as in ZAYA1), "gqa" or "mha" (plain baselines)."""
     num_query_heads: int = ranged(8, 1)
     """Query heads."""
@@ -85,7 +103,7 @@ class ModelConfig:
     """Experts chosen per token (ZAYA1: 1). Mixing weights are the unnormalised router probabilities."""
     expert_hidden_size: int = ranged(2048, 1)
     """SwiGLU hidden width of each expert (gate and up are each this wide)."""
-    router: str = "zaya"
+    router: Literal["zaya", "linear"] = "zaya"
     """Router kind: "zaya" (down-projection, EDA, RMSNorm + 3-layer MLP) or "linear" (plain top-k baseline)."""
     router_hidden_size: int = ranged(256, 1)
     """ZAYA router latent width."""
@@ -95,7 +113,7 @@ class ModelConfig:
     """ZAYA router: an extra (E+1)-th "skip" class; a token routed there gets a zero MoE output."""
     router_skip_bias_init: float = -1.0
     """Initial balancing bias of the skip class (released checkpoints: -1). It is not updated by balancing."""
-    router_balancing: str = "adaptive"
+    router_balancing: Literal["adaptive", "adamw", "none"] = "adaptive"
     """How the balancing biases follow the load (docs/model.md): "adaptive" (zaya's controller: a per-expert step
     scaled by the relative load error, halved when that error changes sign, grown while it keeps it), "adamw" (the
     published ports' AdamW-style update, for continue-training of released checkpoints) or "none" (biases fixed)."""
@@ -122,7 +140,7 @@ class ModelConfig:
     """Share the input embedding with the LM head (ZAYA1: tied)."""
     init_std: float = 0.02
     """Standard deviation of the normal init of weight matrices; output projections use init_std/sqrt(2*layers)."""
-    moe_impl: str = "auto"
+    moe_impl: Literal["auto", "grouped_mm", "loop"] = "auto"
     """Expert matmul path: "grouped_mm" (one grouped GEMM), "loop" (per-expert contiguous slices) or "auto"."""
     pad_token_id: int = ranged(0, 0, "vocab_size")
     """Padding token id, written to Hugging Face config.json on export."""
@@ -138,6 +156,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Check shape rules; raise ConfigError naming the key and the rule broken."""
+        check_choices(self, "model")
 
         def need(ok: bool, key: str, rule: str) -> None:
             if not ok:
@@ -147,9 +166,6 @@ class ModelConfig:
                     "num_experts", "top_k", "expert_hidden_size", "router_hidden_size", "max_seq_len",
                     "cca_depthwise_kernel", "cca_grouped_kernel"):
             need(getattr(self, key) >= 1, key, "must be a positive integer")
-        need(self.attention in ("cca", "gqa", "mha"), "attention", 'must be one of "cca", "gqa", "mha"')
-        need(self.router in ("zaya", "linear"), "router", 'must be one of "zaya", "linear"')
-        need(self.moe_impl in ("auto", "grouped_mm", "loop"), "moe_impl", 'must be one of "auto", "grouped_mm", "loop"')
         need(self.num_query_heads % self.num_kv_heads == 0, "num_query_heads",
              f"must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.attention == "mha":
@@ -166,8 +182,6 @@ class ModelConfig:
         need(self.top_k <= self.num_experts, "top_k", f"must not exceed num_experts ({self.num_experts})")
         need(self.norm_eps > 0, "norm_eps", "must be positive")
         need(self.init_std > 0, "init_std", "must be positive")
-        need(self.router_balancing in ("adaptive", "adamw", "none"), "router_balancing",
-             'must be one of "adaptive", "adamw", "none"')
         need(0 < self.router_balance_step_min <= self.router_balance_step <= self.router_balance_step_max,
              "router_balance_step", "needs 0 < router_balance_step_min <= router_balance_step <= "
              f"router_balance_step_max (min {self.router_balance_step_min}, max {self.router_balance_step_max})")
@@ -196,7 +210,7 @@ class OptimConfig:
     """Peak learning rate of the AdamW groups (ZAYA1: 6e-4), and of Muon unless muon_lr is set."""
     min_lr: float = 2e-4
     """Learning rate at the end of the decay (ZAYA1's cosine: 6e-4 -> 2e-4)."""
-    schedule: str = "cosine"
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     """"cosine" (warmup, then cosine to min_lr at max_steps), "wsd" (warmup-stable-decay) or "constant"."""
     warmup_steps: int = 100
     """Linear warmup from lr/warmup_steps to lr."""
@@ -221,14 +235,14 @@ class OptimConfig:
     """Nesterov momentum in Muon."""
     muon_ns_steps: int = ranged(5, 0, 100)
     """Newton-Schulz iterations (ZAYA1: 5)."""
-    muon_ns_dtype: str = "bfloat16"
+    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of Muon's Newton-Schulz iteration: "bfloat16" (fast; the usual choice) or "float32"."""
-    muon_adjust_lr: str = "match_rms_adamw"
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """Muon's per-matrix LR scaling: "match_rms_adamw" (0.2 sqrt(max(m, n))) or "original" (sqrt(max(1, m/n)))."""
-    muon_ns_method: str = "auto"
+    muon_ns_method: Literal["auto", "standard", "gram", "reference"] = "auto"
     """Muon's Newton-Schulz: "auto" (the cheaper of Gram-space and standard per shape), "standard", "gram" or
     "reference" (torch.optim.Muon's exact operations)."""
-    muon_distributed: str = "auto"
+    muon_distributed: Literal["auto", "local"] = "auto"
     """Muon across ranks: "auto" (ddp: each matrix orthogonalised by one rank of the data-parallel group, results
     broadcast; fsdp: each 2-D matrix by one rank of the mesh, experts where their shard lives; zero1 and one
     process: locally, each rank already steps only its own parameters) or "local" (no splitting: every rank
@@ -237,17 +251,7 @@ class OptimConfig:
     """Global gradient-norm clip (0 disables)."""
 
     def __post_init__(self) -> None:
-        if self.schedule not in ("cosine", "wsd", "constant"):
-            raise ConfigError(f'optim.schedule = {self.schedule!r}: must be "cosine", "wsd" or "constant"')
-        if self.muon_ns_dtype not in ("bfloat16", "float32"):
-            raise ConfigError(f'optim.muon_ns_dtype = {self.muon_ns_dtype!r}: "bfloat16" or "float32"')
-        if self.muon_adjust_lr not in ("match_rms_adamw", "original"):
-            raise ConfigError(f'optim.muon_adjust_lr = {self.muon_adjust_lr!r}: "match_rms_adamw" or "original"')
-        if self.muon_ns_method not in ("auto", "standard", "gram", "reference"):
-            raise ConfigError(f'optim.muon_ns_method = {self.muon_ns_method!r}: "auto", "standard", "gram" or '
-                              '"reference"')
-        if self.muon_distributed not in ("auto", "local"):
-            raise ConfigError(f'optim.muon_distributed = {self.muon_distributed!r}: "auto" or "local"')
+        check_choices(self, "optim")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"optim.lr = {self.lr}, optim.min_lr = {self.min_lr}: need 0 <= min_lr <= lr, lr > 0")
         # The optimizers' own rules (torch's AdamW, Muon's momentum), checked here so they fail at load naming the key.
@@ -277,9 +281,9 @@ class TrainConfig:
     """Tokens per optimizer step over all ranks; 0 = one micro-batch per rank (no accumulation)."""
     batch_ramp: list[tuple[int, int]] = field(default_factory=list)
     """[[tokens_seen, global_batch_tokens], ...]: the global batch from each point on (realised by accumulation)."""
-    parallel: str = resumable("ddp")
+    parallel: ParallelMode = resumable("ddp")
     """Data parallelism across ranks: "ddp", "zero1" (DDP with the optimizer state sharded) or "fsdp" (FSDP2)."""
-    dtype: str = "bfloat16"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype under autocast: "bfloat16" or "float32". Master weights and optimizer state stay fp32."""
     seed: int = ranged(0, 0, SEED_LIMIT)
     """Seed for weight init (data order is data.seed)."""
@@ -293,7 +297,7 @@ class TrainConfig:
     """Collective timeout while the process group starts."""
     peak_flops: float = resumable(0.0)
     """Peak FLOP/s of one device for MFU; 0 = measure a bf16 matmul at start-up (CPU) or look it up (GPU)."""
-    on_nan: str = resumable("stop")
+    on_nan: Literal["stop", "skip"] = resumable("stop")
     """Non-finite loss or gradient: "stop" (name the step and the last good checkpoint) or "skip" the batch."""
     max_skipped_steps: int = resumable(10)
     """With on_nan = "skip": stop after this many consecutive skipped steps."""
@@ -315,7 +319,7 @@ class TrainConfig:
     """Context-parallel ranks per sequence (cp): consecutive ranks split every sequence in the zigzag layout and
     attend across the split (docs/long-context.md); data parallelism runs over world / cp. Every stage's seq_len must
     be a multiple of 2 x cp. Checkpoints resume at any other cp."""
-    context_parallel_method: str = resumable("allgather")
+    context_parallel_method: Literal["allgather", "ring"] = resumable("allgather")
     """How cp ranks attend across the split: "allgather" (gather every KV head, the default: CCA's K/V are small)
     or "ring" (K/V blocks passed around the ring; memory for two blocks, not the whole sequence's K/V)."""
     activation_checkpointing: bool = resumable(False)
@@ -323,21 +327,13 @@ class TrainConfig:
     extra forward of compute for activation memory of one block plus the block inputs)."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "train")
         for key in ("max_steps", "micro_batch_size", "seq_len", "log_every", "context_parallel"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} = {getattr(self, key)!r}: must be a positive integer")
         for key in ("eval_every", "global_batch_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key} = {getattr(self, key)!r}: must be >= 0")
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ConfigError(f'train.dtype = {self.dtype!r}: must be "bfloat16" or "float32"')
-        if self.parallel not in ("ddp", "zero1", "fsdp"):
-            raise ConfigError(f'train.parallel = {self.parallel!r}: must be "ddp", "zero1" or "fsdp"')
-        if self.context_parallel_method not in ("allgather", "ring"):
-            raise ConfigError(f'train.context_parallel_method = {self.context_parallel_method!r}: must be "allgather" '
-                              'or "ring"')
-        if self.on_nan not in ("stop", "skip"):
-            raise ConfigError(f'train.on_nan = {self.on_nan!r}: must be "stop" or "skip"')
         for key in ("timeout_s", "startup_timeout_s"):  # a collective's timeout: a timedelta (at most ~2.7e6 years)
             if not 0 < getattr(self, key) <= MAX_TIMEOUT_S:
                 raise ConfigError(f"train.{key} = {getattr(self, key)!r}: must be in (0, {MAX_TIMEOUT_S:g}] seconds")
@@ -362,12 +358,12 @@ class CheckpointConfig:
     async_save: bool = resumable(True)
     """Periodic saves copy the state to host memory and write it in the background while training goes on (the
     final and on-signal saves always complete before the process exits)."""
-    when_busy: str = resumable("wait")
+    when_busy: Literal["wait", "skip"] = resumable("wait")
     """A save falls due while the previous one is still writing: "wait" for it, or "skip" the new one."""
-    checksum: str = resumable("crc32")
+    checksum: Literal["crc32", "sha256"] = resumable("crc32")
     """Checksum of every file in the COMMIT marker: "crc32" (fast; guards against torn writes and bit rot) or
     "sha256" (cryptographic; about half the speed)."""
-    verify: str = resumable("checksum")
+    verify: Literal["checksum", "size"] = resumable("checksum")
     """Checks before a checkpoint is loaded: "checksum" (every file's size and checksum) or "size" (sizes only)."""
     ram_tier: bool = resumable(True)
     """Keep the newest checkpoint in host shared memory too (each rank its own part), so a restart after a crash
@@ -380,23 +376,18 @@ class CheckpointConfig:
     """Directory of the RAM tier; "" = /dev/shm/zaya-<uid> (per node and user). Must be a RAM-backed filesystem to
     help, and this user's alone: one that is another user's, a link, or writable by others is refused (with a
     warning; restarts then load from disk)."""
-    on_error: str = resumable("continue")
+    on_error: Literal["continue", "stop"] = resumable("continue")
     """A periodic save that fails (e.g. a full disk): "continue" training (the previous checkpoint stays the newest;
     a warning names the error) or "stop" the run (exit 5). A failed closing save (the final one, the one on a
     signal, the one before a context-parallel relaunch) always stops the run with exit 5: nothing trains after it."""
 
     def __post_init__(self) -> None:
+        check_choices(self, "checkpoint")
         if self.keep < 1:
             raise ConfigError(f"checkpoint.keep = {self.keep!r}: must be a positive integer")
         for key in ("every", "keep_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"checkpoint.{key} = {getattr(self, key)!r}: must be >= 0")
-        for key, choices in (("when_busy", ("wait", "skip")), ("checksum", ("crc32", "sha256")),
-                             ("verify", ("checksum", "size")),
-                             ("on_error", ("continue", "stop"))):
-            if getattr(self, key) not in choices:
-                raise ConfigError(f"checkpoint.{key} = {getattr(self, key)!r}: must be "
-                                  + " or ".join(f'"{c}"' for c in choices))
 
 
 @dataclass

@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zaya.config import PARALLEL_MODES
 from zaya.core.balance import assign
 from zaya.core.hardware import load_profile
 from zaya.distributed.runtime import Runtime
 
-MODES = ("ddp", "zero1", "fsdp")
+MODES = PARALLEL_MODES
 
 
 @dataclass

@@ -43,13 +43,13 @@ from typing import Any
 
 import torch
 
-from zaya.config import Config, load_config
+from zaya.config import PARALLEL_MODES, Config, load_config
 from zaya.core.errors import ConfigError
 from zaya.core.metrics_file import parse_records
 from zaya.core.units import format_count, format_duration
 from zaya.tune import report as skeleton
 
-MODES = ("ddp", "zero1", "fsdp")
+MODES = PARALLEL_MODES
 GIB = 2 ** 30
 MAX_MICRO_BATCH = 4096
 
