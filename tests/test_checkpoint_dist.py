@@ -45,7 +45,7 @@ def full_state(par, optimizers, world: int) -> dict[str, torch.Tensor]:
     """Every model tensor and every optimizer state tensor, unsharded and keyed by parameter name."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_sd, optim_sd = get_state_dict(par.module, optimizers, options=StateDictOptions(full_state_dict=True))
+    model_sd, optim_sd = get_state_dict(par.wrapped, optimizers, options=StateDictOptions(full_state_dict=True))
     out = {f"model.{k}": v.detach().clone() for k, v in model_sd.items()}
     for fqn, st in optim_sd["state"].items():
         for key, v in st.items():
@@ -93,7 +93,7 @@ def store_for(root: str, rank: int, world: int, mode: str, ram: bool):
 def parts_of(par, optimizers, loader) -> dict:
     from zaya.checkpoint.parts import ModelState, OptimizerState
 
-    return {"model": ModelState(par.module), "optim": OptimizerState(par.module, optimizers), "loader": loader}
+    return {"model": ModelState(par.wrapped), "optim": OptimizerState(par.wrapped, optimizers), "loader": loader}
 
 
 def gather(obj, world: int) -> list:
@@ -140,7 +140,7 @@ def save_phase(rank: int, world: int, mode: str, root: str, data: str, ram: bool
     for step in range(2):
         batch = next(loader)
         seen += windows(batch)
-        out = par.module(batch.input_ids % 512, labels=batch.labels % 512)  # the ids are positions, not words
+        out = par.wrapped(batch.input_ids % 512, labels=batch.labels % 512)  # the ids are positions, not words
         out.loss.backward()
         for opt in optimizers:
             opt.step()

@@ -88,7 +88,7 @@ def test_an_error_reaches_the_callbacks_and_is_raised(tmp_path, micro_config, mo
     def broken(*args, **kwargs):
         raise RuntimeError("a torch error inside the step")
 
-    monkeypatch.setattr(trainer.parallel.module, "forward", broken)
+    monkeypatch.setattr(trainer.parallel.wrapped, "forward", broken)
     try:
         with pytest.raises(RuntimeError, match="inside the step"):
             trainer.fit()

@@ -193,7 +193,7 @@ def _wrap_rank(rank: int, world: int, mode: str) -> dict:
     parallel = wrap(Net(), mode, rt)
     out = {"settings": parallel.settings, "describe": parallel.describe()}
     if mode == "ddp":
-        out["bucket_bytes_cap"] = parallel.module.bucket_bytes_cap
+        out["bucket_bytes_cap"] = parallel.wrapped.bucket_bytes_cap
     return out
 
 
@@ -282,7 +282,7 @@ def _ddp_bucket_and_fsdp_forward(rank: int, world: int) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     model.blocks = list(model)  # wrap() shards each of model.blocks
     fsdp = wrap(model, "fsdp", rt)
-    fsdp.module(torch.ones(2, 8, device="cpu"))
+    fsdp.wrapped(torch.ones(2, 8, device="cpu"))
     out["block_sharded_after_forward"] = isinstance(model[0].weight, DTensor)
     return out
 

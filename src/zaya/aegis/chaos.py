@@ -30,6 +30,7 @@ import psutil
 
 from zaya.aegis.env import ATTEMPT_ENV, CHAOS_ENV
 from zaya.core.errors import ConfigError
+from zaya.core.layout import checkpoints_dir
 from zaya.core.fsutil import loads_json, read_json
 from zaya.train.callbacks import Callback
 
@@ -96,7 +97,7 @@ def corrupt_newest_checkpoint(run_dir: Path, ram_dir: Path | None = None) -> Pat
     node reboot would: otherwise the restart reads RAM and never sees the disk copy). Returns the file."""
     from zaya.checkpoint.store import latest_checkpoint
 
-    newest = latest_checkpoint(Path(run_dir) / "checkpoints")
+    newest = latest_checkpoint(checkpoints_dir(run_dir))
     if newest is None:
         return None
     files = sorted((p for p in newest.rglob("*") if p.is_file() and p.suffix == ".distcp"),
@@ -203,7 +204,7 @@ class ChaosHook(Callback):
                                                         pid=os.getpid()))
 
     def _poison_next_gradient(self, trainer) -> None:
-        param = next(p for p in trainer.parallel.module.parameters() if p.requires_grad)
+        param = next(p for p in trainer.parallel.wrapped.parameters() if p.requires_grad)
         state = {"armed": True}
 
         def hook(grad):

@@ -45,7 +45,8 @@ class Parallel:
     """The wrapped model and what the training loop needs to drive it."""
 
     mode: str
-    module: nn.Module          # what to call forward on (DDP / FSDP / the bare model)
+    wrapped: nn.Module         # what to call forward on: the model in its DDP wrapper, or the model itself (FSDP2
+    #                            shards it in place, one process needs no wrapper)
     model: nn.Module           # the underlying ZayaForCausalLM (its parameters may be DTensors under FSDP)
     runtime: Runtime
     owner: dict[int, int] = field(default_factory=dict)   # zero1: id(param) -> owning dp rank
@@ -86,13 +87,13 @@ class Parallel:
             yield
             return
         if self.mode == "fsdp":
-            self.module.set_requires_gradient_sync(False)
+            self.wrapped.set_requires_gradient_sync(False)
             try:
                 yield
             finally:
-                self.module.set_requires_gradient_sync(True)
+                self.wrapped.set_requires_gradient_sync(True)
             return
-        with self.module.no_sync():
+        with self.wrapped.no_sync():
             yield
 
     def after_step(self) -> None:
@@ -147,11 +148,11 @@ def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32") 
             # buffers (the routers' balancing state is updated identically on every rank, never broadcast) until
             # its replacement can skip the initial sync too.
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated", category=FutureWarning)
-            module = DDP(model, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True,
+            wrapped = DDP(model, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True,
                          process_group=runtime.grad_group, bucket_cap_mb=profile.ddp_bucket_mb)
         params = [p for p in model.parameters() if p.requires_grad]
         owner = assign_owners(params, runtime.grad_size) if mode == "zero1" else {}
-        return Parallel(mode, module, model, runtime, owner,
+        return Parallel(mode, wrapped, model, runtime, owner,
                         settings={"bucket_cap_mb": float(profile.ddp_bucket_mb), "source": source})
     from torch.distributed.fsdp import fully_shard
 

@@ -92,7 +92,7 @@ class ProgressDisplay(Callback):
         self.display = Progress(total_steps, 0, enabled, log_every)
 
     def log(self, text: str) -> None:
-        self.display.say(text)
+        self.display.log(text)
 
     def on_start(self, trainer: Run) -> None:
         # Restart the bar at the resumed step (it was made before the checkpoint was loaded, to show start-up).

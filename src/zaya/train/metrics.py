@@ -103,7 +103,7 @@ class Progress:
             self._task = self._bar.add_task("train", total=total_steps, completed=start_step, info="")
             self._bar.start()
 
-    def say(self, text: str) -> None:
+    def log(self, text: str) -> None:
         if not self.enabled:
             return
         if self._bar is not None:

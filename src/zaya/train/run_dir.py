@@ -18,7 +18,7 @@ from zaya.core.layout import CHECKPOINTS, CONFIG_FILE
 from zaya.train.run_lock import LOCK_FILES, RunLock, lock_run_dir
 
 
-def prepare_run_dir(run_dir: Path, config: Config, resume: str, say: Callable[[str], None], role: str = "rank0",
+def prepare_run_dir(run_dir: Path, config: Config, resume: str, log: Callable[[str], None], role: str = "rank0",
                     job: str | None = None, accept: str | None = None) -> RunLock:
     """Take the run directory (its lock, for ``role``: ``zaya.train.run_lock.lock_run_dir``), refuse one owned by
     a different config, move an old run aside with ``--resume never`` (only the lock's own holder does: a
@@ -28,11 +28,11 @@ def prepare_run_dir(run_dir: Path, config: Config, resume: str, say: Callable[[s
             and any(p.name not in (CHECKPOINTS, *LOCK_FILES) for p in run_dir.iterdir()):
         raise ConfigError(f"{run_dir} exists and is not a zaya run directory (no {CONFIG_FILE}); choose another "
                           "--run-dir")
-    lock = lock_run_dir(run_dir, role, say, job=job, accept=accept)
+    lock = lock_run_dir(run_dir, role, log, job=job, accept=accept)
     try:
         if resume == "never":
             if lock.owned and any(p.name not in LOCK_FILES for p in run_dir.iterdir()):
-                lock = _move_aside(run_dir, lock, role, say)
+                lock = _move_aside(run_dir, lock, role, log)
         elif existing.is_file():
             _check_config(run_dir, existing, config)
         dump_config(config, run_dir / CONFIG_FILE)
@@ -56,7 +56,7 @@ def _check_config(run_dir: Path, existing: Path, config: Config) -> None:
                           "another --run-dir")
 
 
-def _move_aside(run_dir: Path, lock: RunLock, role: str, say: Callable[[str], None]) -> RunLock:
+def _move_aside(run_dir: Path, lock: RunLock, role: str, log: Callable[[str], None]) -> RunLock:
     """``--resume never``: rename the old run (still locked by us, so no other job is in it) to
     ``NAME.replaced-STAMP``, then take the new, empty directory; returns its lock."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
@@ -65,8 +65,8 @@ def _move_aside(run_dir: Path, lock: RunLock, role: str, say: Callable[[str], No
     while aside.exists():
         aside, n = run_dir.with_name(f"{run_dir.name}.replaced-{stamp}-{n}"), n + 1
     run_dir.rename(aside)
-    say(f"--resume never: moved the previous run in {run_dir} to {aside}")
+    log(f"--resume never: moved the previous run in {run_dir} to {aside}")
     try:
-        return lock_run_dir(run_dir, role, say, job=lock.job)
+        return lock_run_dir(run_dir, role, log, job=lock.job)
     finally:
         lock.release()  # the lock of the directory now at ``aside``

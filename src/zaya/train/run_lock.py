@@ -154,7 +154,7 @@ class RunLock:
         self.release()
 
 
-def lock_run_dir(run_dir: Path, role: str, say: Callable[[str], None], job: str | None = None,
+def lock_run_dir(run_dir: Path, role: str, log: Callable[[str], None], job: str | None = None,
                  accept: str | None = None) -> RunLock:
     """Take the run directory for ``role``: "supervisor" (``zaya run``: holds job.lock, checks rank0.lock is free)
     or "rank0" (holds rank0.lock, and job.lock unless its supervisor holds it: ``accept`` or ``$ZAYA_RUN_JOB``).
@@ -180,7 +180,7 @@ def lock_run_dir(run_dir: Path, role: str, say: Callable[[str], None], job: str 
         if job_lock.take(record):
             lock.held.append(job_lock)
             lock.owned = True
-            _warn_unsupported(job_lock, say)
+            _warn_unsupported(job_lock, log)
         elif not (accept and job_lock.holder.get("job") == accept):
             raise ConfigError(f"{run_dir} is in use by {describe_holder(job_lock.holder)}: two jobs in one run "
                               "directory would record every step twice and interleave their checkpoints. "
@@ -207,7 +207,7 @@ def lock_run_dir(run_dir: Path, role: str, say: Callable[[str], None], job: str 
     return lock
 
 
-def _warn_unsupported(lock: _Flock, say: Callable[[str], None]) -> None:
+def _warn_unsupported(lock: _Flock, log: Callable[[str], None]) -> None:
     if lock.unsupported:
-        say(f"warning: the filesystem of {lock.path.parent} does not support file locks ({lock.unsupported}): "
+        log(f"warning: the filesystem of {lock.path.parent} does not support file locks ({lock.unsupported}): "
             "a second job in this run directory cannot be refused; run one job at a time there")

@@ -90,7 +90,7 @@ class TrainStep:
         for i, batch in enumerate(batches):
             inputs, labels, positions = local_tokens(batch, rt)
             with self.parallel.accumulating(is_last=i == len(batches) - 1), autocast(rt.device, dtype):
-                out = self.parallel.module(inputs, labels=labels, position_ids=positions,
+                out = self.parallel.wrapped(inputs, labels=labels, position_ids=positions,
                                            document_mask=self.config.data.document_mask)
                 targets, objective = weighted_objective(out, batch, labels, global_targets, len(batches), rt)
                 objective.backward()
@@ -100,7 +100,7 @@ class TrainStep:
         # The flags are read before the clip: a signal arriving during the collectives waits for the next step.
         totals.stop_requested.fill_(float(self.stop_request.requested))
         totals.checkpoint_failed.fill_(float(self.store.poll_failed()))
-        grad_norm = clip_gradients(self.parallel.module.parameters(), self.config.optim.grad_clip)
+        grad_norm = clip_gradients(self.parallel.wrapped.parameters(), self.config.optim.grad_clip)
         values = totals.reduce_and_read(rt, grad_norm)
         if values.finite:
             for opt in self.optimizers:

@@ -112,7 +112,7 @@ class Trainer:
         """The named stateful parts a checkpoint holds (a new kind of state registers itself here)."""
         from zaya.checkpoint.parts import ModelState, OptimizerState
 
-        return {"model": ModelState(self.parallel.module), "optim": OptimizerState(self.parallel.module,
+        return {"model": ModelState(self.parallel.wrapped), "optim": OptimizerState(self.parallel.wrapped,
                                                                                     self.optimizers),
                 "loader": self.loader, "progress": self.progress, "rng": RNGState()}
 
@@ -181,10 +181,11 @@ class Trainer:
 
     def _describe(self) -> None:
         from zaya.core.hardware import device_peak_flops
+        from zaya.model.info import parameter_count
 
         tc, rt = self.config.train, self.runtime
         self.peak_flops, self.peak_source = device_peak_flops(rt.device, tc.peak_flops, tc.dtype)
-        n_params = sum(p.numel() for p in self.parallel.model.parameters())
+        n_params = parameter_count(self.parallel.model.parameters())
         train_tokens = sum(d.split("train").num_tokens for d in self.datasets.values())
         self.log(f"zaya train: {n_params:,} parameters, {rt.world_size} rank(s) ({tc.parallel}, dp {rt.dp_size} x "
                  f"cp {rt.cp_size}, {rt.device.type}), {train_tokens:,} train tokens ({', '.join(self.datasets)}), "
@@ -402,7 +403,7 @@ class Trainer:
             if dataset.split("val").num_tokens <= stage.seq_len * stage.micro_batch_size * rt.dp_size:
                 continue
             with self.full_sequences():  # under cp every rank of a cp group scores its dp rank's share in full
-                part, _ = loss_totals(self.parallel.module, dataset, stage.seq_len, stage.micro_batch_size,
+                part, _ = loss_totals(self.parallel.wrapped, dataset, stage.seq_len, stage.micro_batch_size,
                                       dc.val_batches, "val", self.config.train.dtype, rt)
             total += part
         loss_sum, count = rt.read(rt.all_reduce(total, over="dp"))
