@@ -28,6 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from zaya.core.layout import checkpoints_dir, metrics_path
+from zaya.core.metrics_file import stepped_records
+
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ["kill", "hang", "nan", "stall"]
 
@@ -110,8 +113,7 @@ def main() -> int:
                 row["recover_s"].append(d.get("time_to_recover_s"))
                 row["redone"] += d.get("steps_redone") or 0
     records, timeline = {}, []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
+    for r in stepped_records(metrics_path(run).read_bytes()):
         if r.get("kind") == "train":
             records[r["step"]] = r
             timeline.append(r)
@@ -126,7 +128,7 @@ def main() -> int:
              and a["step"] % every != 0 and "step_time_s" in b]
     from zaya.checkpoint.store import latest_checkpoint, read_meta
 
-    newest = latest_checkpoint(run / "checkpoints")
+    newest = latest_checkpoint(checkpoints_dir(run))
     last_saved = read_meta(newest)["step"] if newest else None
     result = {"minutes": args.minutes, "every_s": args.every, "wall_s": round(wall, 1), "steps": len(steps),
               "no_gap": steps == list(range(1, len(steps) + 1)), "last_checkpoint_step": last_saved,

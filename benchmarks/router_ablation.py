@@ -27,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from zaya.core.layout import metrics_path
+from zaya.core.metrics_file import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -70,8 +73,7 @@ def run_variant(name: str, settings: list[str], args: argparse.Namespace, work: 
     started = time.perf_counter()
     summary = train(config, resume="never")
     wall = time.perf_counter() - started
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r.get("kind") == "train" and not r.get("skipped")]
+    steps = [r for r in read_metrics(metrics_path(run_dir), ["train"])["train"] if not r.get("skipped")]
     from zaya.model import ZayaForCausalLM
 
     params = sum(p.numel() for p in ZayaForCausalLM(config.model).parameters())

@@ -21,6 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from zaya.core.layout import metrics_path
+from zaya.core.metrics_file import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,8 +41,7 @@ def run_once(src: Path, work: Path, name: str, args: argparse.Namespace) -> dict
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=work)
     if done.returncode != 0:
         raise SystemExit(f"{name} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["kind"] == "train"]
+    steps = read_metrics(metrics_path(run_dir), ["train"])["train"]
     step_s = statistics.median(r["step_time_s"] for r in steps[1:])
     return {"side": name, "step_s": round(step_s, 4), "tokens_per_s": round(steps[-1]["global_batch_tokens"] / step_s),
             "losses": [round(r["loss"], 5) for r in steps], "wall_s": round(time.perf_counter() - started, 1)}
