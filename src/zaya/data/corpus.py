@@ -46,15 +46,3 @@ def load_corpus_text(max_bytes: int | None = None) -> str:
     if max_bytes is not None:
         text = text.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore")
     return text
-
-
-class ByteTokenizer:
-    """Tokens are the UTF-8 bytes of the text: a 256-entry vocabulary with no special tokens."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
