@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_helpers import run_ranks
+from dist_helpers import run_ok
 from zaya.core.errors import ConfigError
 from zaya.tune import comm
 from zaya.core import hardware as hwprofile
@@ -209,9 +209,8 @@ def test_wrap_takes_the_profile_settings(tmp_path):
     path = tmp_path / "profile.json"
     prof = hwprofile.HardwareProfile(device_key="test", ddp_bucket_mb=3.5, fsdp_reshard_after_forward=False)
     path.write_text(prof.to_json())
-    results = run_ranks(_wrap_with_profile, 2, str(path), timeout_s=120)
-    assert all(r.error is None for r in results), [r.error for r in results]
-    for mode, value in results[0].value.items():
+    values = run_ok(_wrap_with_profile, 2, str(path), timeout_s=120)
+    for mode, value in values[0].items():
         assert str(path) in value["settings"]["source"] and str(path) in value["describe"]
         if mode == "ddp":
             assert value["bucket_bytes_cap"] == int(3.5 * MiB)
@@ -254,9 +253,7 @@ def _sweep_without_tensor_collectives(rank: int, world: int):
 
 
 def test_missing_collectives_are_measured_through_stand_ins():
-    results = run_ranks(_sweep_without_tensor_collectives, 2, timeout_s=120)
-    assert all(r.error is None for r in results), [r.error for r in results]
-    rows, text = results[0].value
+    rows, text = run_ok(_sweep_without_tensor_collectives, 2, timeout_s=120)[0]
     assert {r["op"]: r["impl"] for r in rows} == {
         "all_reduce": "all_reduce", "all_gather": "all_gather (list)", "reduce_scatter": "all_reduce + slice",
         "all_to_all": "all_to_all_single", "broadcast": "broadcast"}
@@ -300,8 +297,6 @@ def test_the_swept_profile_is_what_the_trainers_ranks_read(tmp_path, monkeypatch
     assert saved.ddp_bucket_mb == 1.0  # 64 KiB at most, kept within [1, 256] MiB
     fsdp_profile = tmp_path / "fsdp.json"
     fsdp_profile.write_text(hwprofile.HardwareProfile(fsdp_reshard_after_forward=False).to_json())
-    results = run_ranks(_ddp_bucket_and_fsdp_forward, 2, env={"FSDP_PROFILE": str(fsdp_profile)}, timeout_s=120)
-    assert all(r.error is None for r in results), [r.error for r in results]
-    for r in results:
-        assert r.value["bucket_bytes_cap"] == 1 * MiB and saved.path in r.value["describe"]
-        assert r.value["block_sharded_after_forward"] is False
+    for value in run_ok(_ddp_bucket_and_fsdp_forward, 2, env={"FSDP_PROFILE": str(fsdp_profile)}, timeout_s=120):
+        assert value["bucket_bytes_cap"] == 1 * MiB and saved.path in value["describe"]
+        assert value["block_sharded_after_forward"] is False
