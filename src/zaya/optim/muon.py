@@ -1,74 +1,14 @@
 """Muon: momentum + Newton-Schulz orthogonalised updates for matrix parameters; fast, expert-aware, distributed.
 
-The constructor and the update rule are those of :class:`torch.optim.Muon` (torch 2.13, ``torch/optim/_muon.py``).
-On top of torch's version this one has:
-
-* stacked 3-D parameters ``[E, out, in]`` (MoE experts): every expert matrix is orthogonalised on its own and the
-  learning-rate adjustment uses the per-expert shape ``(out, in)``;
-* a faster Newton-Schulz (NS) that does fewer FLOPs for the same polynomial (``ns_method``; the math is in
-  ``zaya.optim.newton_schulz``);
-* ``ns_dtype`` (``torch.bfloat16`` like torch, or ``torch.float32``) and a choice of coefficient schedule
-  (``ns_coefficients``: one ``(a, b, c)`` for every iteration as in torch, one triple per iteration, or the name
-  ``"polar_express"``);
-* distributed work splitting (``distributed``, ``replica_group``): each matrix is orthogonalised by one rank only
-  (the communication is in ``zaya.optim.muon_distributed``).
-
-The work is split in three modules because it has three concerns that change for different reasons: the NS math
-(``newton_schulz``: kernels, schedules, the per-shape plan), the optimizer (this module: parameter groups, the
-update rule, checkpoints, and running a list of matrices through NS on this rank) and who orthogonalises what
-across ranks (``muon_distributed``).
-
-Update, per parameter ``p`` with gradient ``g`` and momentum buffer ``B`` (zeros at the first step)::
-
-    B   <- lerp(B, g, 1 - momentum)          = momentum * B + (1 - momentum) * g
-    U   <- lerp(g, B, momentum) if nesterov  = (1 - momentum) * g + momentum * B
-           B                    otherwise
-    O   <- NS(U)                             (per matrix: X / max(||X||_F, eps), then ns_steps quintic iterations
-                                              X <- a X + (b A + c A^2) X with A = X X^T, on the transpose if tall)
-    p   <- p * (1 - lr * weight_decay)       (decoupled weight decay, with the *unadjusted* lr)
-    p   <- p - adjust(lr, (out, in)) * O
-
-Momentum form: this is torch's EMA ("lerp") form, ``B = momentum * B + (1 - momentum) * g``, not the
-heavy-ball ``B = momentum * B + g`` its docstring shows; the Nesterov look-ahead is ``g.lerp(B, momentum)``.
-We keep it because the result is meant to equal ``torch.optim.Muon`` (so settings and checkpoints carry over), and
-because the EMA form is the one in Keller Jordan's reference implementation. The overall scale of ``U`` does
-not matter anyway: NS normalises it by its Frobenius norm, so the two forms differ only in how the current
-gradient is weighted against the history. NS never writes to the momentum buffer (torch 2.13 does, for a bf16
-parameter with ``nesterov=False``, because ``buf.bfloat16()`` is ``buf`` itself).
-
-Weight decay is decoupled (AdamW style): ``p *= 1 - lr * weight_decay`` before the update, using the group's
-``lr`` before the shape adjustment, exactly as torch does. It is not added to the gradient and does not enter the
-momentum buffer.
-
-``adjust_lr_fn``: ``None``/``"original"`` scales lr by ``sqrt(max(1, out / in))`` (Keller Jordan);
-``"match_rms_adamw"`` by ``0.2 * sqrt(max(out, in))`` (Moonshot, "Muon is Scalable for LLM Training").
-
-Host reads. A step reads at most one value set back from the device: the Gram iteration's drift checks
-(``newton_schulz.drift_flags``). Reading each check where it is computed would stall a GPU stream once per matrix
-per step, so instead every Gram result is applied as computed and its check kept as a device tensor
-(``StepChecks``); at the end of the step all checks are read at once (one ``tolist()``), and a flagged matrix
-(rare: none in normal training) is corrected in place, ``p += adjusted_lr * (O_gram - O_standard)``, with
-``O_gram`` recomputed bit for bit from the same inputs (the gradient and the momentum buffer are unchanged, and
-the matrix goes through the same stack as before) and ``O_standard`` the standard iteration's result; the
-parameter then equals the fallback up to the rounding of the two additions. A step with no Gram-path matrix
-reads nothing. (A tensor ``lr`` is read with ``.item()``; pass a float to avoid it.)
-
-Distributed (``distributed``, ``replica_group``; details in ``zaya.optim.muon_distributed``):
-
-* ``"auto"`` (default): DTensor parameters sharded ``Shard(0)`` on a 1-D mesh (FSDP2 ``fully_shard``) are
-  orthogonalised by one owner rank each on their mesh (experts where their shard lives, 2-D matrices sent to an
-  owner and back). Plain tensors are split over ``replica_group`` when it is given and has more than one rank: a
-  process group over which every rank holds the same parameters, in the same order, with the same gradients
-  (DDP's data-parallel group); each matrix is orthogonalised by one rank and the results broadcast. Without
-  ``replica_group`` plain tensors are orthogonalised locally (one process, or ZeRO-1, where each rank steps its
-  own subset).
-* ``"local"``: no splitting. Plain tensors are orthogonalised locally; DTensors are all-gathered and every rank
-  orthogonalises every matrix, then keeps its own shard (the simple version, kept for comparison; placements the
-  owner path does not handle, such as other meshes, use it under ``"auto"`` too).
-
-With any DTensor parameter on a mesh of more than one rank, or with a ``replica_group`` of more than one rank,
-``step()`` is collective: every rank must call it, with the same parameters having gradients. Results equal the
-single-process ones: each matrix goes through the same code whichever rank computes it.
+The constructor and the update rule are those of :class:`torch.optim.Muon` (torch 2.13), so settings and
+checkpoints carry over. On top of it: stacked 3-D expert parameters ``[E, out, in]`` (each expert orthogonalised
+on its own, its lr adjusted for its own shape), a faster Newton-Schulz (``ns_method``, ``zaya.optim.newton_schulz``),
+``ns_dtype`` and ``ns_coefficients``, and distributed work splitting (``distributed``, ``replica_group``: each
+matrix orthogonalised by one rank, ``zaya.optim.muon_distributed``). This module holds the parameter groups, the
+update rule, checkpoints, and running this rank's matrices through NS; a step reads the device at most once (the
+Gram drift checks, all at its end). With a DTensor on a mesh of more than one rank, or a ``replica_group`` of more
+than one, ``step()`` is collective. The update, the momentum form, weight decay, the lr adjustment and the
+distributed modes: docs/training.md, "Muon and Newton-Schulz".
 """
 
 from __future__ import annotations
@@ -242,7 +182,7 @@ class Muon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        """Perform one optimisation step (collective over ranks: see "Distributed" in the module docstring)."""
+        """Perform one optimisation step (collective over ranks: see the module docstring)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

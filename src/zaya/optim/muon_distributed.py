@@ -20,7 +20,7 @@ these functions from ``Muon.step`` and runs the matrices given to this rank) and
 * ``update_gathered`` (the fallback: other meshes or placements, or ``distributed="local"``): every DTensor is
   all-gathered, every rank orthogonalises every matrix and keeps its own shard.
 
-Drift checks (see "Host reads" in ``zaya.optim.muon``). A Gram result's check is computed by the rank that
+Drift checks ("Host reads" in docs/training.md). A Gram result's check is computed by the rank that
 orthogonalised it, but every rank applying that result must agree on whether it gets corrected, and the
 correction of a shared result is itself collective. So the checks travel with the results, in the same messages
 (a slot per Gram-path matrix, known from the shapes alone: ``newton_schulz.gram_checked``): the broadcasts

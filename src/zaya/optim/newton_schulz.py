@@ -1,50 +1,16 @@
 """Newton-Schulz (NS) orthogonalisation for Muon: the coefficient schedules, torch's reference iteration and the
 fast kernels.
 
-This module is pure math on tensors: it knows nothing of parameters, momentum or ranks, so that the optimizer
-(``zaya.optim.muon``) and its distributed execution (``zaya.optim.muon_distributed``) can share one definition of
-"orthogonalise this matrix", and every rank, whichever matrices it is given, computes them with the same code
-(which is what makes the distributed results equal the single-process ones).
-
-The iteration, per matrix ``X`` written with ``m <= n`` (a tall one is transposed by view)::
-
-    X <- X / max(||X||_F, eps)
-    ns_steps times:  A = X X^T;  X <- a X + (b A + c A^2) X
-
-with one ``(a, b, c)`` for every iteration (torch's default, Keller Jordan's), one triple per iteration, or a
-named schedule (``SCHEDULES``: ``"polar_express"``).
-
-Speed (``method``). torch's NS costs ``ns_steps * (4 m^2 n + 2 m^3)`` FLOPs and, on the dev CPU, already runs near
-the bf16 matmul peak, so the gain has to come from doing less work for the same polynomial:
-
-* symmetric products: ``A = X X^T`` and ``A^2`` (and every ``m x m`` product of the Gram iteration) are
-  symmetric, so on the CPU only the upper block triangle is computed (``nb`` row blocks: ``(nb + 1) / (2 nb)``
-  of the FLOPs) and the lower blocks are copied from it;
-* Gram-space iteration (``"gram"``) for rectangular matrices: ``X_k = Q_k X_0`` with ``Q_k`` an ``m x m``
-  polynomial in ``R = X_0 X_0^T``; per iteration ``Z = b R + c R^2``, ``Q <- a Q + Q Z`` and
-  ``R <- (a I + Z) R (a I + Z)``, all ``m x m`` (the same polynomial in exact arithmetic). In bf16 the carried
-  ``R`` drifts from the true Gram matrix of ``Q X_0``, so the iteration *restarts* at ``gram_restarts``
-  (``X <- Q X``, a fresh ``R``, ``Q <- I``), and each result gets a drift check (``drift_flags``: its Frobenius
-  norm exceeds what the polynomial can produce, or it is not finite). The check is returned as a device tensor,
-  not read here: the caller decides when to read it (the optimizer reads all of a step's checks at once, see
-  ``zaya.optim.muon``) and recomputes a flagged result with the standard iteration (``standard_``).
-* ``"auto"`` (default) picks, per shape, the cheaper of the two by a FLOP model (Gram only for ``m >= 128``);
-  ``"standard"`` always uses the (symmetric-blocked) standard iteration; ``"gram"`` uses the Gram iteration for
-  every non-square matrix; ``"reference"`` runs torch's exact operations one matrix at a time (bit-identical to
-  ``torch.optim.Muon`` for 2-D parameters).
-
-How matrices are run (``stacked``): on the CPU big matrices are processed one at a time with 2-D GEMMs into reused
-buffers (a ``Workspace``), which is what lets the symmetric products write their blocks in place (a batched bf16
-``bmm`` was no faster than a loop of ``mm``: 46.2 vs 45.8 ms for 8 x 1024^2, 12.7 vs 14.5 ms for 8 x 512x1024),
-except small ones (``min(m, n) < 256``), which are stacked by shape and run as one batched computation
-(16 x 256^2: 1.9 ms batched, 5.9 ms looped). On other devices all same-shape matrices are stacked and run
-batched, without symmetric blocking (not measured: no GPU was available). ``torch.compile`` is not used: it gave
-nothing here (torch's NS on 1024x2048: 156 ms compiled, 158 ms eager, after a 6.8 s compile); the time is in the
-GEMMs. Measurements: ``benchmarks/results.md`` ("Muon") and the comment on the CPU block rows below.
-
-The CPU constants (the 256-row blocks, at most 8 of them, and the 256 below which matrices are batched) are the
-device's hardware profile's ``muon_block_rows``, ``muon_max_blocks`` and ``muon_cpu_small``
-(``zaya.core.hardware``; the defaults are the values measured here). They are read only for CPU matrices.
+Pure math on tensors: it knows nothing of parameters, momentum or ranks, so that the optimizer (``zaya.optim.muon``)
+and its distributed execution (``zaya.optim.muon_distributed``) share one definition of "orthogonalise this
+matrix", and every rank, whichever matrices it is given, computes them with the same code (which is what makes the
+distributed results equal the single-process ones). The speed comes from doing fewer FLOPs for the same
+polynomial: symmetric products computed by upper block triangle on the CPU, and a Gram-space iteration for
+rectangular matrices with restarts and a drift check (``drift_flags``, returned as a device tensor for the caller
+to read when it chooses; ``standard_`` recomputes a flagged result). ``method`` picks per shape; ``stacked`` runs
+a list of matrices (one at a time or batched); the CPU constants come from the hardware profile
+(``zaya.core.hardware``). The algorithm: docs/training.md, "Muon and Newton-Schulz"; measurements:
+benchmarks/results.md, "Muon".
 """
 
 from __future__ import annotations
@@ -296,7 +262,8 @@ def _ns_standard(X: Tensor, out: Tensor, coeffs: Sequence[tuple[float, float, fl
 
 def _ns_gram(X: Tensor, out: Tensor, coeffs: Sequence[tuple[float, float, float]], nb: int, ws: Workspace,
              restarts: Sequence[int]) -> Tensor:
-    """Gram-space iteration (see the module docstring) on ``X [.., m, n]`` (normalised, ``m < n``) into ``out``.
+    """Gram-space iteration (docs/training.md, "Muon and Newton-Schulz") on ``X [.., m, n]`` (normalised,
+    ``m < n``) into ``out``.
 
     ``X`` itself is left unchanged, so the caller can rerun the standard iteration from it.
     """
@@ -461,10 +428,10 @@ def orthogonalize(
     """Muon's fast Newton-Schulz of a matrix ``[m, n]`` or of each matrix of a stack ``[k, m, n]``.
 
     Same polynomial as :func:`zeropower_via_newtonschulz`, computed as :class:`~zaya.optim.Muon` does (``method``:
-    see the module docstring). Returns a new tensor of ``dtype`` and the shape of ``x`` (a transposed view if
-    tall). ``batched`` forces the batched form for a stack (default: as Muon chooses for the device). A Gram
-    result that fails its drift check is recomputed with the standard iteration here and now (one host read per
-    Gram run; the whole stack when batched).
+    docs/training.md, "Muon and Newton-Schulz"). Returns a new tensor of ``dtype`` and the shape of ``x`` (a
+    transposed view if tall). ``batched`` forces the batched form for a stack (default: as Muon chooses for the
+    device). A Gram result that fails its drift check is recomputed with the standard iteration here and now (one
+    host read per Gram run; the whole stack when batched).
     """
     if x.ndim not in (2, 3):
         raise ValueError(f"Newton-Schulz needs a matrix or a stack of matrices, got shape {tuple(x.shape)}")

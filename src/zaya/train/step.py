@@ -1,9 +1,8 @@
-"""One optimizer step: forward and backward over the micro-batches, clip, ONE all-reduce of the step's scalars and
-ONE host read of them, then the optimizers and the router's bias-balancing update, all on the device.
+"""One optimizer step (docs/architecture.md, "The trainer as parts", steps 3-7): the micro-batches, clip, ONE
+all-reduce and ONE host read of the step's scalars, then the optimizers and the router's balancing update.
 
 The scalars the ranks must agree on are the named fields of ``StepTotals``: views into one float64 tensor, so that
-one all-reduce and one read carry them all; the read gives ``StepValues``, host numbers. A non-finite loss or
-gradient norm leaves the weights as they were on every rank alike (the trainer then skips the step or stops).
+one all-reduce and one read carry them all; the read gives ``StepValues``, host numbers.
 """
 
 from __future__ import annotations

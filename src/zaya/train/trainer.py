@@ -1,15 +1,9 @@
 """The trainer: ``zaya train``, from one CPU process to many GPUs under torchrun.
 
-``Trainer.build(config, runtime)`` assembles the parts (the run directory, the data loader, the model in its
-parallel wrapper, the optimizers, the checkpoint store) and restores them from a checkpoint when there is one;
-``fit()`` runs the loop: before each step the callbacks' ``on_step_start``, then ``step()`` (its plan from
-``zaya.train.schedule``, the step itself in ``zaya.train.step``), then their ``on_step_end``, which include the
-periodic validation and checkpoints (``zaya.train.callbacks``). ``train(config)`` does all of it in one call.
-
-Exact resume: a checkpoint holds the model (router balancing state included), both optimizers, the data loader's
-position, the step and token counters and the RNG states, each a named part of the checkpoint; the LR schedule
-is a function of the step and the batch ramp of the token count, so a resumed run repeats the uninterrupted
-one's losses (bit-identical in one process).
+``Trainer.build(config, runtime)`` assembles the parts (run directory, data, model in its parallel wrapper,
+optimizers, checkpoint store) and restores them from a checkpoint when there is one; ``fit()`` runs the steps with
+the callbacks' hooks around each; ``train(config)`` does all of it in one call. The parts, one step in order and
+the hooks: docs/architecture.md ("The trainer as parts", "Callbacks").
 """
 
 from __future__ import annotations
