@@ -1,55 +1,16 @@
 """Training checkpoints: named stateful parts, saved in parallel (each rank only what it owns), optionally
 asynchronously, committed atomically, verified on load, reshardable.
 
-**Parts.** The store saves a dictionary of named stateful parts, so new state registers itself: a part is any
-object with ``state_dict()`` and ``load_state_dict(state)`` (``zaya.checkpoint.parts`` has the model's and the
-optimizers'; the trainer adds the data loader, its counters and the RNGs). A part's state is a nested dict. Its
-tensor leaves (plain tensors and DTensors) are written through DCP under the part's name, with the keys DCP
-flattens them to (``<part>.<nested keys>``: ``model.<fqn>``, ``optim.state.<fqn>.<key>``); its other leaves (JSON
-values: numbers, strings, bools, None, lists and dicts of them; tuples become lists) go into ``meta.json`` under
-the part's name with the same nesting. Non-tensor values must be the same on every rank: rank 0's are written.
-``load`` loads the tensors in place into the part's current ``state_dict()`` tensors, puts the JSON values back
-beside them and calls ``part.load_state_dict``.
-
-Layout under ``<run_dir>/checkpoints/``::
-
-    step-00000100/            a complete checkpoint
-        .metadata, __*_*.distcp   torch.distributed.checkpoint (DCP) files: every part's tensors; every rank
-                                  writes the entries it owns, nothing is gathered to rank 0
-        meta.json              the caller's meta (tokens, model config, ...), what the store adds (step, save_id,
-                               world_size, parallel, parts: the part names) and each part's non-tensor state
-        COMMIT                 written last: every file's size and checksum (see commit.py)
-    .step-00000200.partial/   a save in progress (or one that died): never loaded, removed by the next save
-    corrupt-step-00000300/    a checkpoint that failed verification, moved aside (kept for inspection)
-
-**Ownership** (staging.py). A plain tensor that several ranks hold (DDP's and ZeRO-1's replicated model, DDP's
-optimizer state) is written by one of them, chosen by a deterministic size-balanced assignment; keys one rank holds
-(ZeRO-1's optimizer state) and DTensor shards (FSDP2) stay with their rank. The assignment is computed once per
-store (one all-gather of every rank's keys and sizes) and recomputed only when some rank's key set changes. Each
-rank stages, DCP-saves and RAM-copies only what it owns: under DDP at world N, 1/N of the state.
-
-**Save** (collective: every rank calls ``save``). The owned state is written into the ``.partial`` directory by
-DCP, each rank checksumming the files it writes as it writes them (writer.py); rank 0 gathers the checksums, writes
-``meta.json`` and ``COMMIT`` and renames the directory into place. A crash at any point leaves the previous
-checkpoint as the newest valid one; a failed save (a full disk, say) removes its partial directory and, by default,
-lets training go on; a failed *closing* save (``closing``: the run's final one, the one on a signal, the one before
-a relaunch) raises ``CheckpointError`` on every rank whatever ``on_error`` says, since no training follows it.
-**Async**: the owned state is first copied into host memory (the only time training waits; exactly-sized
-page-locked buffers on CUDA, reused across saves), then a background thread does all of the above on a gloo group
-of its own, so its collectives never interleave with training's. At most one save is in flight; a
-save that falls due while one is writing waits for it or is skipped (``when_busy``).
-
-**Load**: ``select`` finds the newest checkpoint that passes verification (sizes, and checksums spread over
-the ranks); one that fails is reported, moved aside (left in place where the run directory cannot be changed), and
-the previous one is tried (``commit.newest_loadable``, the rule inference follows too): never a crash loop, never a
-silent load of a bad file. If every rank holds a RAM-tier copy of that step (ram_tier.py), ``load`` reads it from
-host memory instead of disk: each rank its own copy, the owners then broadcasting the replicated entries to the other
-ranks. From disk, DCP's files are read through reader.py: ``.metadata`` through an allow-list, never a pickled
-object, every live tensor checked against it first. Keys are fully qualified parameter names, so a disk checkpoint
-loads under another world size or another of DDP / ZeRO-1 / FSDP2.
-
-Every collective goes through ``HostGroup`` (``Runtime.host_group``): two gloo groups of the store's own, one for
-the background save, one for the main thread's decisions and loads.
+The store saves a dictionary of named parts (anything with ``state_dict()`` / ``load_state_dict()``), so new state
+registers itself without changing the store: tensors go through DCP under ``<part>.<keys>``, other values into
+``meta.json``. ``save`` is collective: each rank writes only what it owns (staging.py), checksumming as it writes
+(writer.py), into a ``.partial`` directory that rank 0 commits (commit.py) and renames into place, so a crash
+leaves the previous checkpoint the newest; async saves copy to host memory and write on a thread. ``select`` picks
+the newest checkpoint that verifies, moving bad ones aside; ``load`` reads the RAM tier (ram_tier.py) when every
+rank has a copy, else DCP's files through the allow-list reader (reader.py). Every collective goes through the
+store's own two gloo ``HostGroup``s (one for the background save, one for the main thread's decisions and loads),
+so they never interleave with training's. The layout and guarantees: docs/formats.md ("Training checkpoint") and
+docs/training.md ("Checkpoints and exact resume").
 """
 
 from __future__ import annotations

@@ -1,38 +1,13 @@
 """Context parallelism for CCA: the ranks of a "cp" group split every sequence and attend across the split.
 
-**Layout (zigzag).** A sequence of S tokens is cut into 2W chunks of n = S / 2W tokens (W = cp ranks); rank r
-holds chunks r and 2W-1-r, so that under a causal mask every rank does the same attention work. ``zigzag_index``
-gives a rank's global token indices (RoPE positions and document masks use them); ``shard`` cuts a batch.
-
-**The CCA boundary (halo).** CCA's two causal convolutions (reach 2) and its value shift (reach 1) make a token
-depend on the raw [q; k] rows and the delayed value projection of the tokens just before it. Chunk r follows chunk
-r-1 (rank r-1's first chunk; zeros before the sequence start) and chunk 2W-1-r follows chunk 2W-2-r (rank r+1's
-second chunk; for rank W-1 its own first chunk). Each rank sends the tails of its chunks (the last 2 raw rows and
-the last delayed value, one fused buffer per direction) point-to-point in the forward; the backward sends the
-halo gradients the other way (``_Boundary``). Both convolutions then run on [history; chunk], which is exact
-(their biases included), unlike zero-padding the intermediate output.
-
-**Attention.** Two methods, the same numbers:
-
-* ``ring``: K/V blocks travel around the ring (send/recv of the next block posted before the current block is
-  computed); each block gives a partial output and its log-sum-exp, merged in fp32. With the zigzag layout block
-  s > 0 is either all local queries against the first half of the received keys, or the second half of the
-  queries against all of them: no mask, equal work on every rank. The backward recomputes each block from the final
-  output and log-sum-exp; the dK/dV accumulators (fp32) travel with their blocks and a last shift hands them to
-  their owners. Memory: two K/V blocks at a time.
-* ``allgather``: every rank gathers the full K/V, one KV head at a time with the next head's gather in flight
-  while the current one is attended (double buffering); each local chunk attends to the earlier chunks without a
-  mask and to itself causally (merged like the ring's blocks; document masks rebuilt from the document starts,
-  never stored); the backward reduce-scatters dK/dV in fp32. Memory: the full sequence's K/V (CCA's are small:
-  2 KV heads), one collective per KV head instead of W - 1 exchanges, and irregular masks cost nothing extra.
-
-Document masks (``data.document_mask``) travel as each token's document start (its global index minus its
-position): a query sees a key only if both start at the same place.
-
-Kernels: on the CPU the per-block attention and its backward are aten's flash kernels (they return the
-log-sum-exp); elsewhere a plain fp32 implementation (``_reference_block``), exact on every device but holding a
-block's [Tq, Tk] scores. The model package never imports this module: the trainer installs
-``ContextParallelSequence`` through ``ZayaForCausalLM.set_sequence_seam``.
+A sequence is cut into 2W chunks, rank r holding chunks r and 2W-1-r (zigzag: equal causal work per rank;
+``zigzag_index``, ``shard``). CCA's convolutions and value shift need the tokens just before each chunk, which
+live on a neighbour: the chunks' tails travel point-to-point forward and their gradients back (``_Boundary``), and
+the convolutions run on [history; chunk], exact with their biases. Attention is ``allgather`` (the full K/V, one
+KV head at a time) or ``ring`` (K/V blocks around the ring), with the same numbers; document masks travel as each
+token's document start. The model package never imports this module: the trainer installs
+``ContextParallelSequence`` through ``ZayaForCausalLM.set_sequence_seam``. The layout, the halo, the two methods
+compared, the kernels and the tested precision: docs/long-context.md, "Context parallelism".
 """
 
 from __future__ import annotations
@@ -129,7 +104,7 @@ class _RingShift:
 # ------------------------------------------------------------------------------------------------- the boundary
 class _Boundary(torch.autograd.Function):
     """(history of chunk r, history of chunk 2W-1-r) from this rank's (tail of its first chunk, tail of its second
-    chunk), each [B, N]; see the module docstring for who sends what to whom."""
+    chunk), each [B, N]; who sends what to whom: docs/long-context.md, "The CCA boundary"."""
 
     @staticmethod
     def forward(ctx, tail_first: torch.Tensor, tail_second: torch.Tensor, cp: CPGroup):  # noqa: D102

@@ -1,52 +1,14 @@
 """Tree-attention decoding: the KV cache of a prompt sharded over the ranks, the partial results merged per layer.
 
 Decoding one token attends one query to every cached key; for a long prompt that read of the cache dominates a
-step, and one device's memory bounds the prompt. Tree attention (arXiv 2408.04093) spreads the cache instead:
-
-**Layout.** The prompt of L tokens is cut into contiguous slices, one per rank, the larger slices last
-(``slice_bounds``): the last rank always holds the end of the prompt, and with L < world the first ranks hold no
-keys at all. New tokens' keys and values are appended on the last rank only.
-
-**Prefill.** Rank r runs the whole model on its slice, with a ``SequenceSeam`` per layer (``_PrefillSeam``): global
-RoPE positions; the CCA boundary (the 2 raw pre-convolution q/k rows and the delayed value projection of the tokens
-just before the slice, zeros at the sequence start, as the model's own ``LocalSequence``) read from an all-gather of
-every slice's tail; and attention of the slice's queries over an all-gather of every slice's keys and values, with
-the exact causal mask in global positions. A rank without tokens still joins each gather (``_join_prefill``). The
-last rank's next-token logits and the decode state it ends with (per layer the last 2 raw q/k rows and the last
-delayed value) are then broadcast in one tensor, so that every rank computes the same new-token q, k and v.
-
-**A decode step.** Every rank runs the whole model on the new token (the query is "broadcast" by being computed
-identically everywhere). In each attention layer rank r attends the query to its own keys, giving the normalised
-output o_r and the log-sum-exp lse_r of its scores (a rank without keys: o = 0, lse = -finfo(float32).max, finite
-so that no inf - inf appears), and the ranks' partials are merged by one of ``METHODS``:
-
-* ``tree`` (the default; the paper's formulation): two all-reduces,
-
-      m   = all_reduce(lse_r, MAX)
-      num, den = all_reduce([o_r * exp(lse_r - m), exp(lse_r - m)], SUM)      (one fused fp32 tensor)
-      out = num / den
-
-  exactly softmax attention over the union of the keys. 2 collectives a layer whatever p, each of ceil(log2 p)
-  latency steps: NCCL runs small all-reduces that way itself; gloo runs one as a ring of 2 (p - 1) rounds, so on
-  gloo beyond 2 ranks the two go by recursive doubling (``_recursive_doubling``, the exchange ``butterfly`` uses,
-  combining with max and +, which round the same whichever operand comes first: every rank gets the same bits).
-* ``butterfly``: the same reduction as one recursive-doubling exchange of the packed (o, lse) pairs, merged by
-  ``merge_pieces`` (the lower ranks' block first, so every rank computes the same bits): log2 p send/recv rounds a
-  layer, one message each (a world that is not a power of 2 folds its extra ranks in first and out last: 2 rounds
-  more). Half the tree's rounds, at the price of a merge after each round instead of one division at the end.
-* ``ring`` (the baseline the paper measures against): ring attention. The ranks' KV shards travel around the ring
-  (p - 1 rounds, the next shard's send/recv posted before the current one is attended); every rank attends the
-  query to every shard. Its messages grow with the cache: the whole cache passes through every rank each layer.
-* ``ring-partials``: a cheaper ring: the partial (o, lse) travel around it instead of the keys (p - 1 rounds of
-  one small message). Same message sizes as the tree, p - 1 rounds instead of log2 p.
-
-The ring methods merge the partials they collected in rank order with ``merge_pieces``, so that every rank holds
-the same bits. The sampled token is broadcast from the last rank once per step (ranks need not round
-bit-identically, on different GPUs or thread counts, and a token that differed between ranks would desynchronise
-the caches silently).
-
-Every tensor and collective is on the runtime's device (NCCL has no CPU path); a step reads nothing back to the
-host except what sampling and the end-of-document check of ``zaya.model.zaya.decode_tokens`` need.
+step, and one device's memory bounds the prompt. Tree attention (arXiv 2408.04093) spreads the cache instead: the
+prompt is cut into contiguous slices, one per rank, the larger ones last (``slice_bounds``); the prefill runs each
+slice with a ``SequenceSeam`` per layer (``_PrefillSeam``) that gathers the CCA boundary and every slice's keys;
+each decode step runs the whole model on every rank, attends the query to the local keys, and merges the ranks'
+(output, log-sum-exp) partials by one of ``METHODS`` (``tree``: two all-reduces, the default; ``butterfly``,
+``ring``, ``ring-partials``), in an order that gives every rank the same bits. The sampled token is broadcast
+from the last rank. The layout, the merges and their communication costs: docs/long-context.md,
+"Tree-attention decoding".
 """
 
 from __future__ import annotations
@@ -178,7 +140,7 @@ class ShardedKeys:
     """One rank's part of every layer's KV cache during decoding (the ``KeyShard`` of ``AttentionCache.shard``).
 
     ``held_by_rank``: the prompt keys of every rank's slice, in rank order (this rank's is ``held``); new tokens'
-    keys are stored on the last rank. ``method``: one of ``METHODS`` (see the module docstring)."""
+    keys are stored on the last rank. ``method``: one of ``METHODS`` (docs/long-context.md)."""
 
     def __init__(self, runtime: Runtime, held_by_rank: list[int], method: str, stats: CommStats):
         if len(held_by_rank) != runtime.world_size:
