@@ -69,12 +69,9 @@ def test_batch_ramp_and_accumulation():
 
 
 def test_muon_gets_hidden_matrices_and_experts_adamw_the_rest():
-    from zaya.config import ModelConfig
-    from zaya.model import ZayaForCausalLM
+    from model_helpers import tiny_model
 
-    model = ZayaForCausalLM(ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_query_heads=2,
-                                        num_kv_heads=2, head_dim=16, num_experts=2, expert_hidden_size=16,
-                                        router_hidden_size=8, max_seq_len=16))
+    model = tiny_model(num_layers=1)
     split = split_parameters(model)
     muon = {n for n, _ in split.muon}
     assert "blocks.0.moe.experts.gate_up_proj" in muon and "blocks.0.attention.q_proj.weight" in muon

@@ -272,12 +272,13 @@ def model_sizes(config_path: str) -> dict[str, Any]:
 
     from zaya.config import load_config
     from zaya.model import ZayaForCausalLM
+    from zaya.model.info import parameter_count
 
     config = load_config(config_path)
     with torch.device("meta"):
         model = ZayaForCausalLM(config.model)
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    total = sum(p.numel() for p in model.parameters())
+    blocks = [parameter_count(b) for b in model.blocks]
+    total = parameter_count(model)
     return {"config": str(config_path), "params": total, "block_params": max(blocks), "num_blocks": len(blocks),
             "param_dtype_bytes": 2 if config.train.dtype == "bfloat16" else 4, "dtype": config.train.dtype}
 
@@ -511,10 +512,11 @@ def measure(opts: Options, rank: int, world: int, per_node: int, device: Any,
     spans nodes); rank 0, a member of every group, returns every row (the others their own)."""
     import warnings
 
-    import torch
     import torch.distributed as dist
 
-    dtype = getattr(torch, opts.dtype)
+    from zaya.core.device import to_dtype
+
+    dtype = to_dtype(opts.dtype)
     elem = _DTYPES[opts.dtype]
     plan = []
     for n in opts.ranks:  # every rank creates every group, in the same order

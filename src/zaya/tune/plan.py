@@ -81,6 +81,7 @@ def _model_sizes(model_key: str, ranks: int) -> Sizes:
     from zaya.config import model_config_from_dict
     from zaya.distributed.parallel import assign_owners
     from zaya.model import ZayaForCausalLM
+    from zaya.model.info import parameter_count
     from zaya.optim.build import split_parameters
     from zaya.optim.newton_schulz import BATCH_ELEMENTS
 
@@ -91,8 +92,8 @@ def _model_sizes(model_key: str, ranks: int) -> Sizes:
     muon = [p for _, p in split.muon]
     adamw = [p for _, p in split.adamw_decay + split.adamw_no_decay]
     params = muon + adamw
-    block = sum(p.numel() for p in model.blocks[0].parameters())
-    total = sum(p.numel() for p in params)
+    block = parameter_count(model.blocks[0])
+    total = parameter_count(params)
     owner = assign_owners(params, ranks)
     muon_ids = {id(p) for p in muon}
     load = [[0, 0] for _ in range(ranks)]
@@ -105,7 +106,7 @@ def _model_sizes(model_key: str, ranks: int) -> Sizes:
         shapes[m, n] = shapes.get((m, n), 0) + (p.shape[0] if p.ndim == 3 else 1)
     stack = max((min(count, max(1, BATCH_ELEMENTS // (m * n))) * m * n for (m, n), count in shapes.items()),
                 default=0)
-    return Sizes(total=total, muon=sum(p.numel() for p in muon), adamw=sum(p.numel() for p in adamw),
+    return Sizes(total=total, muon=parameter_count(muon), adamw=parameter_count(adamw),
                  largest_matrix=max((m * n for m, n in shapes), default=0), largest_stack=stack, block=block,
                  root=total - cfg.num_layers * block,
                  buffers_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),

@@ -115,7 +115,9 @@ def measure_gemm(g: Gemm, pass_: str, dtype_name: str, device: Any, timing: Timi
     """One measured point: the shape, the implementation, seconds per call and TFLOP/s (or the error it hit)."""
     import torch
 
-    dtype = getattr(torch, dtype_name)
+    from zaya.core.device import to_dtype
+
+    dtype = to_dtype(dtype_name)
     impl = "mm" if g.groups == 1 else grouped_impl(g, device, dtype, moe_impl)
     row: dict[str, Any] = {"dtype": dtype_name, "kind": g.kind, "pass": pass_, "m": g.m, "n": g.n, "k": g.k,
                            "groups": g.groups, "impl": impl, "flops": g.flops}
