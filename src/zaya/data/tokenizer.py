@@ -124,6 +124,7 @@ class Tokenizer:
         self.sha256 = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
         self._specials_backend = None
         self._specials_lock = threading.Lock()
+        self._prefix: list[int] | None = None
 
     # --- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -176,6 +177,19 @@ class Tokenizer:
     def padded_vocab_size(self) -> int:
         """The vocabulary rounded up to a multiple of 64: what a model trained on this tokenizer should use."""
         return round_up(self.max_id + 1)
+
+    @property
+    def prefix_ids(self) -> list[int]:
+        """The ids the tokenizer's post-processor puts before a text: ``[bos]`` for Gemma's and Llama's, ``[]`` for
+        the byte-level BPE zaya trains. Every prepared document and every prompt starts with them, as
+        transformers' ``tokenizer(text)`` starts."""
+        if self._prefix is None:
+            with self._library("a probe text"):
+                plain = self.backend.encode("a", add_special_tokens=False).ids
+                full = self.backend.encode("a", add_special_tokens=True).ids
+            at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+            self._prefix = list(full[:at])
+        return list(self._prefix)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with no special tokens added."""
