@@ -37,7 +37,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from zaya.core.errors import ConfigError
-from zaya.core.fsutil import loads_json
+from zaya.core.fsutil import MAX_JSON_BYTES, atomic_write_bytes, loads_json, read_regular
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)
@@ -49,6 +49,31 @@ _CANDIDATES = {
     "bos": (BOS, "<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]"),
     "pad": (PAD, "<pad>", "<|pad|>", "[PAD]", "<|finetune_right_pad_id|>"),
 }
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+"""The files of a Hugging Face tokenizer directory that travel with a tokenizer (into a prepared dataset, a run, an
+export): the vocabulary and pipeline, the special tokens and BOS handling, and the chat template."""
+
+
+def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
+    """Copy those of ``TOKENIZER_FILES`` present in ``src_dir`` into ``dst_dir`` (each written atomically) and
+    return the names copied. Each must be a regular file of at most ``MAX_JSON_BYTES`` (Gemma3's tokenizer.json is
+    33 MB): a FIFO or device in a file's place is refused, not read forever."""
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = src_dir / name
+        if not src.exists() and not src.is_symlink():
+            continue
+        try:
+            data = read_regular(src, MAX_JSON_BYTES)
+        except OSError as exc:
+            raise TokenizerError(f"{src}: cannot copy this tokenizer file ({exc.strerror or exc}); replace it with "
+                                 "the file from the model's tokenizer directory") from None
+        atomic_write_bytes(dst_dir / name, data)
+        copied.append(name)
+    return copied
 
 
 MAX_PIPELINE_TEXT = 1024
