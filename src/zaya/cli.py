@@ -28,7 +28,8 @@ _FILE_VERBS = {"info", "export", "convert", "plot", "data", "aegis", "chaos", "p
 
 
 def _train_overrides(args: argparse.Namespace) -> list[str]:
-    """The --set overrides of ``zaya train`` / ``zaya run``, with --run-dir, --max-steps and --device folded in."""
+    """The --set overrides of ``zaya train`` / ``zaya run``, with --run-dir, --max-steps, --device and --init-from
+    folded in."""
     overrides = list(args.set or [])
     if args.run_dir is not None:
         overrides.append(f"train.run_dir={json.dumps(args.run_dir)}")
@@ -36,6 +37,8 @@ def _train_overrides(args: argparse.Namespace) -> list[str]:
         overrides.append(f"train.max_steps={args.max_steps}")
     if args.device is not None:
         overrides.append(f"train.device={json.dumps(args.device)}")
+    if args.init_from is not None:
+        overrides.append(f"train.init_from={json.dumps(args.init_from)}")
     return overrides
 
 
@@ -634,6 +637,8 @@ def _train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, metavar="N", help="override train.max_steps")
     p.add_argument("--device", metavar="DEVICE", help="override train.device: auto (default: the GPU of each rank "
                                                        "when there is one), cpu, cuda or cuda:N")
+    p.add_argument("--init-from", metavar="PATH", help="override train.init_from: start from the weights of a "
+                   "Hugging Face zaya directory, a zaya export, a run or a checkpoint (optimizer and step fresh)")
     p.add_argument("--resume", default="auto", metavar="auto|never|PATH",
                    help="auto: continue from the newest complete checkpoint in the run dir (default); never: "
                         "start fresh (an existing run dir is moved aside); PATH: a checkpoint or run directory")

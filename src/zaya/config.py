@@ -325,6 +325,10 @@ class TrainConfig:
     activation_checkpointing: bool = resumable(False)
     """Recompute each block's activations in the backward instead of keeping them (long sequences: about one
     extra forward of compute for activation memory of one block plus the block inputs)."""
+    init_from: str = ""
+    """Start from the weights of this checkpoint ("" = random init): a Hugging Face zaya directory, a zaya export,
+    a run directory or one training checkpoint. Its model config and tokenizer come with it; optimizer, step and data
+    start fresh. A run directory with checkpoints of its own resumes from them instead (docs/training.md)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "train")
