@@ -329,14 +329,35 @@ def check_index(directory: Path, files: list[Path]) -> None:
                                   f"{DAMAGED}")
 
 
+def hf_model_config(directory: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """(ModelConfig, config.json) of a HF zaya directory, from config.json and the side file's header alone:
+    config.json owns every field it expresses, ``zaya_extras.safetensors`` supplies zaya's own options."""
+    config_path = directory / "config.json"
+    hf_cfg = read_json_object(config_path)
+    cfg = model_config_from_hf(hf_cfg, str(config_path))
+    extras_path = directory / EXTRAS_FILE
+    if not extras_path.is_file():
+        return cfg, hf_cfg
+    _, meta = safetensors_header(extras_path)
+    if "zaya_model_config" not in meta:
+        return cfg, hf_cfg
+    try:
+        merged = loads_json(meta["zaya_model_config"])
+    except ValueError as exc:
+        raise CheckpointError(f"{extras_path}: its zaya_model_config is not JSON ({str(exc)[:200]}); "
+                              f"{DAMAGED}") from None
+    if not isinstance(merged, dict):
+        raise CheckpointError(f"{extras_path}: its zaya_model_config is not a JSON object; {DAMAGED}")
+    merged.update({k: v for k, v in to_dict(cfg).items() if k in _HF_OWNED_FIELDS})
+    return model_config_from_dict(merged, str(extras_path)), hf_cfg
+
+
 def load_hf(directory: str | Path, dtype: torch.dtype | None = None) -> ZayaForCausalLM:
     """Load a Hugging Face ``zaya`` checkpoint directory into a ZayaForCausalLM, checking its checksum manifest
     (when it has one) and its index against its shards first."""
     directory = Path(directory)
     listed = verify_checksums(directory)
     config_path = directory / "config.json"
-    hf_cfg = read_json_object(config_path)
-    cfg = model_config_from_hf(hf_cfg, str(config_path))
     files = hf_weight_files(directory)
     extras_path = directory / EXTRAS_FILE
     generation = directory / GENERATION_CONFIG
@@ -344,21 +365,8 @@ def load_hf(directory: str | Path, dtype: torch.dtype | None = None) -> ZayaForC
     check_listed(directory, listed, [config_path, *files,
                                      *(f for f in (extras_path, generation, index) if f.is_file())])
     check_index(directory, files)
-    extras: dict[str, torch.Tensor] = {}
-    if extras_path.is_file():
-        _, meta = safetensors_header(extras_path)
-        extras = read_safetensors([extras_path])
-        if "zaya_model_config" in meta:
-            # config.json owns every field it expresses; the side file supplies only zaya's own options.
-            try:
-                merged = loads_json(meta["zaya_model_config"])
-            except ValueError as exc:
-                raise CheckpointError(f"{extras_path}: its zaya_model_config is not JSON ({str(exc)[:200]}); "
-                                      f"{DAMAGED}") from None
-            if not isinstance(merged, dict):
-                raise CheckpointError(f"{extras_path}: its zaya_model_config is not a JSON object; {DAMAGED}")
-            merged.update({k: v for k, v in to_dict(cfg).items() if k in _HF_OWNED_FIELDS})
-            cfg = model_config_from_dict(merged, str(extras_path))
+    cfg, hf_cfg = hf_model_config(directory)
+    extras = read_safetensors([extras_path]) if extras_path.is_file() else {}
     source = str(files[0].parent / (files[0].name if len(files) == 1 else "model-*.safetensors"))
     tensors = read_safetensors(files)
     check_layer_count(cfg, tensors, source)

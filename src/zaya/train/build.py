@@ -71,18 +71,28 @@ def build_data(config: Config, rt: Runtime, log: Callable[[str], None]):
     return datasets, loader
 
 
-def build_model(config: Config, rt: Runtime) -> Parallel:
-    """The model, built and initialised directly on the runtime's device, in its parallel wrapper."""
+def build_model(config: Config, rt: Runtime, weights_later: bool = False) -> Parallel:
+    """The model, built and initialised directly on the runtime's device, in its parallel wrapper.
+
+    ``weights_later`` (the weights come from a checkpoint: ``train.init_from`` or a resume): built on the meta device
+    and its tensors allocated without initialisation, after sharding under FSDP2, so that no rank ever holds more
+    than its own copy (its shards) of the weights."""
     from zaya.model import ZayaForCausalLM
 
     tc = config.train
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     np.random.seed(tc.seed)
-    with torch.device(rt.device):
+    with torch.device("meta" if weights_later else rt.device):
         model = ZayaForCausalLM(config.model)
     model.activation_checkpointing = tc.activation_checkpointing
-    return wrap(model, tc.parallel, rt, tc.dtype)
+    if not weights_later:
+        return wrap(model, tc.parallel, rt, tc.dtype)
+    sharded = tc.parallel == "fsdp" and rt.distributed
+    parallel = wrap(model, tc.parallel, rt, tc.dtype) if sharded else None
+    model.to_empty(device=rt.device)
+    model.rope.reset_parameters()  # derived from the config, never stored
+    return parallel if parallel is not None else wrap(model, tc.parallel, rt, tc.dtype)
 
 
 def install_sequence_seam(model, config: Config, rt: Runtime) -> None:

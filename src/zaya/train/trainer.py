@@ -14,6 +14,7 @@ import signal
 import time
 from collections import deque
 from contextlib import ExitStack, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,10 @@ class Trainer:
         self.progress = RunCounters()
         self.stop_request = _StopRequest()
         self.resumed_from: dict[str, Any] | None = None
+        self.init_source = None
+        """The resolved ``train.init_from`` (``zaya.checkpoint.init_from.InitSource``), or None."""
+        self.finished: str = ""
+        """Why the run had finished before this start ("" when it has steps to train): ``fit()`` then does nothing."""
         self.checkpoint_failed = False
         self.val_loss: float | None = None
         self._lr_scale = 1.0
@@ -123,15 +128,18 @@ class Trainer:
         run_dir = Path(tc.run_dir)
         built: list[Any] = []
         try:
+            init = None
+            if tc.init_from:
+                from zaya.checkpoint.init_from import merged_model_config, open_source
+
+                init = open_source(tc.init_from, runtime, log)
+                config = replace(config, model=merged_model_config(config.model, init))
             lock = _prepare_run_dir(config, runtime, run_dir, resume, log)
             built += [lock] if lock is not None else []
             datasets, loader = build_data(config, runtime, log)
             built.append(loader)
-            if runtime.is_main:
-                tokenizer = next(iter(datasets.values())).directory / TOKENIZER_FILE
-                with writing(run_dir, "copying the tokenizer into the run directory", RUN_DIR_ELSEWHERE):
-                    shutil.copyfile(tokenizer, run_dir / TOKENIZER_FILE)
-            parallel = build_model(config, runtime)
+            _keep_tokenizer(runtime, run_dir, datasets, init)
+            parallel = build_model(config, runtime, weights_later=init is not None)
             install_sequence_seam(parallel.model, config, runtime)
             optimizers = build_optimizers_for(config, parallel)
             store = CheckpointStore(run_dir / CHECKPOINTS, config.checkpoint, runtime, parallel=tc.parallel,
@@ -151,9 +159,11 @@ class Trainer:
                       loader=loader, parallel=parallel, optimizers=optimizers, store=store,
                       callbacks=standard + list(callbacks or []) + scheduled, log=log)
         trainer.run_lock = lock
+        trainer.init_source = init
         try:
             trainer._resume(resume)
-            trainer._describe()
+            if not trainer.finished:
+                trainer._describe()
         except BaseException:
             trainer.close()
             raise
@@ -162,10 +172,25 @@ class Trainer:
     def _resume(self, resume: str) -> None:
         from zaya.checkpoint.store import check_model_config, read_meta
 
+        tc, init = self.config.train, self.init_source
         path = self.store.select(resume)
         if path is None:
+            if init is not None:
+                from zaya.checkpoint.init_from import load_weights
+
+                load_weights(init, self.parallel.wrapped, self.runtime)
+                self.log(f"initialised from {init.path} ({init.kind} checkpoint {init.directory}): weights and router "
+                         "balancing state loaded; optimizer, step and data start fresh")
             return
-        check_model_config(read_meta(path), to_dict(self.config.model), path)
+        if init is not None:
+            self.log(f"train.init_from ignored: {self.run_dir} has checkpoints of its own, resuming from them")
+        meta = read_meta(path)
+        if int(meta["step"]) >= tc.max_steps:  # finished: nothing to load
+            self.progress.step, self.progress.tokens = int(meta["step"]), int(meta["tokens"])
+            self.finished = f"its final step {self.progress.step} (train.max_steps {tc.max_steps}) is checkpointed"
+            self.resumed_from = {"path": str(path), "step": self.progress.step, "source": "disk"}
+            return
+        check_model_config(meta, to_dict(self.config.model), path)
         meta = self.store.load(path, self.parts)
         p = self.progress
         self.resumed_from = {"path": str(path), "step": p.step, "source": meta["loaded_from"]}
@@ -201,11 +226,14 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train until train.max_steps (or the data schedule's end, or a stop request); returns a summary."""
         tc, p = self.config.train, self.progress
+        if not self.finished and self.resumed_from is not None \
+                and self.schedule.plan(p.step, p.tokens, self.loader.state_dict()) is None:
+            self.finished = f"its data schedule ended at step {p.step}"
+        if self.finished:
+            return self._already_finished()
         self.stop_request.install()
         try:
             self._call("on_start")
-            if p.step >= tc.max_steps:
-                self.log(f"already at step {p.step} >= max_steps {tc.max_steps}: nothing to train")
             first_val = self.evaluate() if p.step == 0 and tc.eval_every > 0 else None
             schedule_done, interrupted = False, False
             while p.step < tc.max_steps:
@@ -251,6 +279,17 @@ class Trainer:
             raise
         finally:
             self.stop_request.uninstall()
+
+    def _already_finished(self) -> dict[str, Any]:
+        """A start on a finished run: say so and how to train further; no validation, plot, sample or record."""
+        p = self.progress
+        self.log(f"{self.run_dir} has finished: {self.finished} ({self.resumed_from['path']}); nothing to do. To train "
+                 f"further raise train.max_steps (--max-steps N), or start a new run from its weights: --init-from "
+                 f"{self.run_dir} --run-dir NEW_DIR")
+        return {"step": p.step, "tokens": p.tokens, "first_val_loss": None, "val_loss": None, "first_loss": None,
+                "final_loss": None, "tokens_per_s": None, "run_dir": str(self.run_dir),
+                "checkpoint": self.resumed_from["path"], "finished": True, "interrupted": False,
+                "resumed_from": self.resumed_from, "already_finished": True}
 
     def _drop_ram_copy_unless_restarted(self, exc: BaseException) -> None:
         """A run that ends in an error no supervisor will restart removes its RAM-tier copy (this rank's; no
@@ -443,6 +482,30 @@ class Trainer:
                 callback.close()
         if self.run_lock is not None:  # last: the run directory is free once nothing writes to it
             self.run_lock.release()
+
+
+def _keep_tokenizer(rt: Runtime, run_dir: Path, datasets: dict, init) -> None:
+    """Rank 0 copies the run's tokenizer into the run directory (collective: a refusal fails every rank): the
+    source's files under ``train.init_from`` (``check_tokenizer``: the data must have been prepared with it),
+    else the data's tokenizer.json."""
+    error = None
+    if rt.is_main:
+        try:
+            source = None
+            if init is not None:
+                from zaya.checkpoint.init_from import check_tokenizer
+
+                source = check_tokenizer(init, datasets)
+            with writing(run_dir, "copying the tokenizer into the run directory", RUN_DIR_ELSEWHERE):
+                if source is not None:
+                    from zaya.data.tokenizer import copy_tokenizer_files
+
+                    copy_tokenizer_files(source, run_dir)
+                else:
+                    shutil.copyfile(next(iter(datasets.values())).directory / TOKENIZER_FILE, run_dir / TOKENIZER_FILE)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by agree()
+            error = exc
+    rt.agree(error, "start-up (the run's tokenizer)")
 
 
 def _prepare_run_dir(config: Config, rt: Runtime, run_dir: Path, resume: str, log) -> RunLock | None:
