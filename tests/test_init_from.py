@@ -228,6 +228,7 @@ def fsdp_init(rank: int, world: int, config_path: str, source: str):
 
     real = init_from.safe_open
     init_from.safe_open = lambda *a, **k: _Counting(real(*a, **k))
+    init_from.READ_CHUNK_BYTES = 1024  # several row blocks per tensor (the one process reads each in one)
     rt = start(60.0, 60.0, "cpu")
     try:
         cfg = load_config(config_path, ["train.parallel=\"fsdp\""])

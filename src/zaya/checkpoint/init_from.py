@@ -5,13 +5,14 @@ training checkpoint (resolved as ``consolidate.resolve_checkpoint`` resolves it 
 on rank 0 only, and hands every rank the result. ``merged_model_config`` takes the run's model config from the
 source: a key the source fixes (``SETTABLE`` lists the others) that the run sets to another value is an error.
 ``load_weights`` (collective) fills the model already built, and wrapped for its parallel mode, in place, tensor by
-tensor: under FSDP2 each rank reads only the bytes of its own shards (safetensors slices, DCP's planner for a
-training checkpoint); otherwise each rank reads every tensor into its one copy of the model. The router's balancing
+tensor in row blocks: under FSDP2 each rank reads only the bytes of its own shards (safetensors slices, DCP's
+planner for a training checkpoint); otherwise each rank reads every tensor into its one copy of the model. The router's balancing
 state comes from the source when it holds it (a plain HF download does not: then it starts as a fresh router's).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
@@ -27,6 +28,10 @@ from zaya.core.errors import CheckpointError, ConfigError
 from zaya.model.io import DAMAGED, ZAYA_WEIGHTS, check_layer_count, check_weight, read_zaya_meta
 from zaya.model.router import BALANCING_STATE, initial_balancing_state
 
+READ_CHUNK_BYTES = 64 << 20
+"""The most bytes (as fp32) read from a safetensors file at a time: a large tensor (ZAYA1's 2 GB embedding) is
+read in row blocks, each file mapping closed after its block, so reading adds at most about this much to a rank's
+resident memory."""
 SETTABLE = frozenset({
     "rope_theta", "max_seq_len", "residual_fp32", "moe_impl", "qk_temperature_init", "router_skip_bias_init",
     "init_std", "router_balancing", "router_balance_step", "router_balance_step_max", "router_balance_step_min",
@@ -199,28 +204,35 @@ def _load_training(source: InitSource, live: dict[str, torch.Tensor], runtime) -
 
 
 def _load_safetensors(source: InitSource, live: dict[str, torch.Tensor]) -> None:
-    by_file: dict[str, list[tuple[str, str]]] = {}
     for file, name, ours in source.tensors:
-        by_file.setdefault(file, []).append((name, ours))
-    for file, entries in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name, ours in entries:
-                target = live[ours]
-                if isinstance(target, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
-                                                                          target.placements)
-                    piece = f.get_slice(name)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-                else:
-                    piece = f.get_tensor(name)
-                check_weight(Path(file), name, piece)
-                _local(target).copy_(piece)
-                del piece
+        target = live[ours]
+        local = _local(target)
+        if isinstance(target, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        else:
+            shape, offset = tuple(local.shape), (0,) * local.dim()
+        if local.dim() == 0:
+            with safe_open(file, framework="pt") as f:
+                _fill(local, f.get_tensor(name), file, name)
+            continue
+        rows = max(1, READ_CHUNK_BYTES // max(1, math.prod(shape[1:]) * 4))
+        for start in range(0, shape[0], rows):
+            n = min(rows, shape[0] - start)
+            index = (slice(offset[0] + start, offset[0] + start + n),
+                     *(slice(o, o + size) for o, size in zip(offset[1:], shape[1:])))
+            with safe_open(file, framework="pt") as f:  # closed after each piece: its mapped pages leave the RSS
+                _fill(local[start:start + n], f.get_slice(name)[index], file, name)
     held = {ours for _, _, ours in source.tensors}
     fresh = None
     for key, tensor in live.items():
         if key not in held:  # only balancing state may be absent (checked by open_source)
             fresh = fresh if fresh is not None else initial_balancing_state(source.config)
             _local(tensor).copy_(fresh[key.rsplit(".", 1)[-1]])
+
+
+def _fill(target: torch.Tensor, piece: torch.Tensor, file: str, name: str) -> None:
+    check_weight(Path(file), name, piece)
+    target.copy_(piece)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
