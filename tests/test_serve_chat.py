@@ -106,9 +106,8 @@ def test_a_template_that_cannot_be_used_stops_the_server_at_start(tmp_path, shak
                           (deep, "cannot be read as JSON .JSON nested too deeply"),
                           ({"chat_template": [{"name": "tool_use", "template": "x"}]}, "none 'default'"),
                           ({"chat_template": 3}, "not a template string")):
-        tok = _tokenizer_dir(tmp_path, shakespeare_dataset, config=config)
-        with pytest.raises(ConfigError, match=words) as caught:
-            ChatTemplate.for_tokenizer(tok)
+        with pytest.raises(ConfigError, match=words) as caught:  # a config that is no JSON: loading the tokenizer
+            ChatTemplate.for_tokenizer(_tokenizer_dir(tmp_path, shakespeare_dataset, config=config))
         assert "tokenizer_config.json" in str(caught.value)
 
 
@@ -125,7 +124,7 @@ def _never_compile_here(monkeypatch):
 def test_compiling_a_template_evaluates_none_of_it():
     """Jinja folds constant expressions while compiling (the optimizer, and {{ }} of literals): the compiled code of
     these templates held their 10 MB results (at 10**10, compiling took 10 GB in the server process)."""
-    from zaya.serve.template_sandbox import environment
+    from zaya.data.template_sandbox import environment
 
     for source in ("{{ 'x' * 10000000 }}", "{{ 'x'|center(10000000) }}", "{% if 'ab' * 10000000 %}y{% endif %}",
                    "{% set s = 'x' * 10000000 %}{{ s }}", "{{ ('x' * 10000000)|length }}"):

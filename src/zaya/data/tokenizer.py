@@ -9,8 +9,11 @@ special tokens at the first ids::
 
     0 <|pad|>    1 <|bos|>    2 <|eos|>
 
-A loaded tokenizer keeps its own ids; its special tokens are found by the usual names (``<eos>``, ``</s>``,
-``<|endoftext|>`` ...) unless given explicitly.
+A loaded tokenizer keeps its own ids. It comes from a ``tokenizer.json`` or a Hugging Face model directory holding
+one; the ``tokenizer_config.json`` and ``special_tokens_map.json`` beside it name its special tokens (bos, eos, pad,
+as transformers reads them), else they are found by the usual names (``<eos>``, ``</s>``, ``<|endoftext|>`` ...),
+unless given explicitly. Whether a text starts with bos is the ``tokenizer.json``'s post-processor's to say
+(``prefix_ids``), as it is for transformers.
 
 A ``tokenizer.json`` is a program of sorts (regular expressions, normalizers, decoders), and the library can fail on
 a text: a Split pattern such as ``^(a+)+$`` makes Oniguruma give up on ``"a" * 40 + "!"`` with a Rust panic, which
@@ -51,7 +54,9 @@ _CANDIDATES = {
 }
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_JSON, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+SPECIAL_TOKENS_MAP, CHAT_TEMPLATE = "special_tokens_map.json", "chat_template.jinja"
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE)
 """The files of a Hugging Face tokenizer directory that travel with a tokenizer (into a prepared dataset, a run, an
 export): the vocabulary and pipeline, the special tokens and BOS handling, and the chat template."""
 
@@ -130,8 +135,10 @@ class SpecialIds:
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the special ids and content hash the data path relies on."""
 
-    def __init__(self, backend, special: SpecialIds, source: str = "<memory>"):
+    def __init__(self, backend, special: SpecialIds, source: str = "<memory>", directory: Path | None = None):
         self.backend = backend
+        self.directory = directory
+        """The Hugging Face tokenizer directory it was loaded from (its ``TOKENIZER_FILES`` travel with it)."""
         # Text that happens to spell a special token ("<|eos|>" in a document about tokenizers) is encoded as
         # ordinary text: only the data pipeline itself places eos ids, at document boundaries.
         backend.encode_special_tokens = True
@@ -155,10 +162,16 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | Path, pad: str | None = None, bos: str | None = None,
                   eos: str | None = None) -> "Tokenizer":
-        """Load a ``tokenizer.json``; special tokens found by name unless given (``eos`` is required)."""
+        """Load a ``tokenizer.json``, or the one of a Hugging Face model directory; special tokens as given, else as
+        the configuration files beside it name them, else found by name (``eos`` is required)."""
         from tokenizers import Tokenizer as Backend
 
         path = Path(path)
+        if path.is_dir():
+            if not (path / TOKENIZER_JSON).is_file():
+                raise TokenizerError(f"{path}: a directory without a {TOKENIZER_JSON} (expected a Hugging Face "
+                                     "model or tokenizer directory, or a tokenizer.json)")
+            path = path / TOKENIZER_JSON
         if not path.is_file():
             raise TokenizerError(f"{path}: tokenizer file not found (expected a Hugging Face tokenizer.json)")
         try:
@@ -168,7 +181,10 @@ class Tokenizer:
         problem = _pipeline_problem(loads_json(backend.to_str()))
         if problem:
             raise TokenizerError(f"{path}: {problem}; use the tokenizer the model was trained with")
-        return cls(backend, _find_special(backend, path, pad=pad, bos=bos, eos=eos), source=str(path))
+        named = _configured_special(path.parent)
+        given = {"pad": pad, "bos": bos, "eos": eos}
+        special = _find_special(backend, path, **{role: given[role] or named.get(role) for role in given})
+        return cls(backend, special, source=str(path), directory=path.parent)
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
@@ -215,6 +231,20 @@ class Tokenizer:
             at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
             self._prefix = list(full[:at])
         return list(self._prefix)
+
+    def with_prefix(self, ids: list[int]) -> list[int]:
+        """``ids`` starting with ``prefix_ids`` exactly once: a chat template that writes ``{{ bos_token }}`` itself
+        (Gemma's) gets no second one."""
+        prefix = self.prefix_ids
+        return list(ids) if ids[:len(prefix)] == prefix else prefix + list(ids)
+
+    def encode_offsets(self, text: str, special_tokens: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of ``text`` (no special tokens added) and each one's ``(start, end)`` characters in it;
+        ``special_tokens`` as for ``encode_fast``."""
+        backend = self._specials() if special_tokens else self.backend
+        with self._library("this text"):
+            encoding = backend.encode(text, add_special_tokens=False)
+            return encoding.ids, encoding.offsets
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with no special tokens added."""
@@ -307,9 +337,50 @@ class Tokenizer:
 
         atomic_write_text(path, self.backend.to_str(pretty=True))
 
+    def save_files(self, directory: str | Path) -> list[str]:
+        """Write the tokenizer into ``directory``: the ``TOKENIZER_FILES`` of the directory it was loaded from, as
+        they are, and its ``tokenizer.json`` when that did not come along (a trained tokenizer, or a file under
+        another name). The names written."""
+        directory = Path(directory)
+        written = [] if self.directory is None or Path(self.source).name != TOKENIZER_JSON else \
+            copy_tokenizer_files(self.directory, directory)
+        if TOKENIZER_JSON not in written:
+            self.save(directory / TOKENIZER_JSON)
+            written.insert(0, TOKENIZER_JSON)
+        return written
+
     def __repr__(self) -> str:
         return (f"Tokenizer({self.source}, vocab={self.vocab_size}, pad={self.special.pad}, bos={self.special.bos}, "
                 f"eos={self.special.eos})")
+
+
+def read_tokenizer_config(path: Path) -> dict:
+    """A tokenizer_config.json or special_tokens_map.json as a dict ({} when there is none); TokenizerError naming
+    it when it is not a readable JSON object."""
+    if not path.exists() and not path.is_symlink():
+        return {}
+    try:
+        config = loads_json(read_regular(path, MAX_JSON_BYTES))
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"{path}: cannot be read as JSON ({exc}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path}: holds a {type(config).__name__}, not a JSON object; fix or remove it")
+    return config
+
+
+def special_token_names(config: dict) -> dict[str, str]:
+    """The ``*_token`` entries of a tokenizer config (a name, or an object with its ``content``, as transformers
+    writes them): ``{"bos_token": "<bos>", ...}``."""
+    return {k: v if isinstance(v, str) else v["content"] for k, v in config.items()
+            if k.endswith("_token") and (isinstance(v, str) or isinstance(v, dict) and isinstance(v.get("content"),
+                                                                                                  str))}
+
+
+def _configured_special(directory: Path) -> dict[str, str]:
+    """Role -> token name as the directory's tokenizer_config.json, else its special_tokens_map.json, names it."""
+    names = {**special_token_names(read_tokenizer_config(directory / SPECIAL_TOKENS_MAP)),
+             **special_token_names(read_tokenizer_config(directory / TOKENIZER_CONFIG))}
+    return {role: names[f"{role}_token"] for role in ("pad", "bos", "eos") if f"{role}_token" in names}
 
 
 def _find_special(backend, path: Path, **given: str | None) -> SpecialIds:
@@ -319,7 +390,9 @@ def _find_special(backend, path: Path, **given: str | None) -> SpecialIds:
         name = given.get(role)
         if name is not None:
             if name not in vocab:
-                raise TokenizerError(f"{path}: {role} token {name!r} is not in the vocabulary")
+                raise TokenizerError(f"{path}: the {role} token {name!r} (given, or named in the tokenizer_config.json or "
+                                     f"special_tokens_map.json beside it) is not in the vocabulary; name one it has "
+                                     f"with --{role}-token")
             ids[role] = vocab[name]
             continue
         found = next((vocab[c] for c in _CANDIDATES[role] if c in vocab), None)

@@ -9,9 +9,8 @@ Two bounds, because a template is code:
   templates use is there: ``trim_blocks`` / ``lstrip_blocks``, the loop controls (``break``, ``continue``),
   ``namespace``, a ``tojson`` filter that keeps non-ASCII text, ``raise_exception(message)`` (a template refusing
   the messages, e.g. roles that do not alternate) and ``strftime_now(format)``.
-- **What it may cost**: it is compiled and rendered only in a child process (``python -m
-  zaya.serve.template_sandbox``) with an address space limit, a wall-clock alarm per compile and per render and a
-  limit on the rendered text; the parent (``TemplateProcess``) never compiles it, and kills and restarts a child
+- **What it may cost**: it is compiled and rendered only in a child process (this file run as a script) with an
+  address space limit, a wall-clock alarm per compile and per render and a limit on the rendered text; the parent (``TemplateProcess``) never compiles it, and kills and restarts a child
   that does not answer in time. A template with a loop of 10**10 empty iterations, or one that doubles a string
   forty times, fails that request and nothing else.
 - **Nothing runs while compiling**: Jinja evaluates constant expressions when it compiles a template (its optimizer,
@@ -227,12 +226,11 @@ class TemplateProcess:
         if self._proc is not None and self._proc.poll() is None:
             return
         self._kill()
-        import zaya
-
-        root = os.path.dirname(os.path.dirname(os.path.abspath(zaya.__file__)))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        self._proc = subprocess.Popen([sys.executable, "-m", "zaya.serve.template_sandbox", str(self.max_memory)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        # This file as a script, isolated (-I: neither its directory nor PYTHONPATH on the path): it needs only the
+        # standard library and Jinja, and importing the zaya.data package would bring numpy's 120 MB of address
+        # space into the child's limit.
+        self._proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(self.max_memory)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._buffer = b""
         wait = STARTUP_S + self.timeout
         answer = self._ask({"template": self.source, "timeout": self.timeout}, wait,
