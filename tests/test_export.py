@@ -56,7 +56,8 @@ def leftovers(parent: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("args, files, load", [
-    ([], {"config.json", "model.safetensors", "zaya_extras.safetensors"}, load_hf),  # the default format: hf
+    ([], {"config.json", "model.safetensors", "zaya_extras.safetensors", "generation_config.json",  # default: hf
+          "tokenizer_config.json", "special_tokens_map.json"}, load_hf),
     (["--format", "safetensors"], {"zaya.json", "model.safetensors"}, load_pretrained),
 ], ids=["hf", "safetensors"])
 def test_export_of_a_run_is_bit_exact(tmp_path, capsys, run, trained, args, files, load):

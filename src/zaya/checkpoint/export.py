@@ -9,18 +9,20 @@ layouts (both hold the weights as safetensors; they differ in names and metadata
   ``transformers`` loads as well as ``zaya.load_pretrained``;
 - ``safetensors``: zaya's own checkpoint directory, zaya.json + model.safetensors (``zaya.model.io``).
 
-The tokenizer.json found with the source (``consolidate.find_tokenizer``) is copied along, so ``zaya generate`` and
-``zaya eval`` take the export as it is; ``SHA256SUMS`` (``zaya.model.checksums``) is written last, listing every
-file, and every later load of the export checks it. Everything is written into a temporary sibling directory that is
-renamed into place only when complete (``zaya.core.fsutil.atomic_directory``, which also gives the files and directory
-the modes a plain ``open`` would, 0644 / 0755 under the usual umask): an interrupted export leaves no half-written
-destination, and with ``overwrite`` an existing one is replaced only once the new one is complete. A non-empty
-destination is refused without ``overwrite``, and one that is (or holds) the source always.
+The tokenizer found with the source (``consolidate.find_tokenizer``) is copied along with the files that travel
+with it (``zaya.data.tokenizer.TOKENIZER_FILES``), so ``zaya generate`` and ``zaya eval`` take the export as it is;
+an ``hf`` export also gets tokenizer_config.json, special_tokens_map.json and generation_config.json matching the
+model (``hf_tokenizer_files``), so that transformers and lm-eval read it as zaya does. ``SHA256SUMS``
+(``zaya.model.checksums``) is written last, listing every file, and every later load of the export checks it.
+Everything is written into a temporary sibling directory that is renamed into place only when complete
+(``zaya.core.fsutil.atomic_directory``, which also gives the files and directory the modes a plain ``open`` would,
+0644 / 0755 under the usual umask): an interrupted export leaves no half-written destination, and with ``overwrite``
+an existing one is replaced only once the new one is complete. A non-empty destination is refused without
+``overwrite``, and one that is (or holds) the source always.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -41,7 +43,10 @@ def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: st
     ``log``, when given, receives one line saying what was written.
     """
     from zaya.checkpoint.consolidate import TOKENIZER, describe, load_for_inference
+    from zaya.checkpoint.hf_tokenizer_files import write_hf_tokenizer_files
     from zaya.core.fsutil import atomic_directory
+    from zaya.data.chat_template import DEFAULT_TEMPLATE
+    from zaya.data.tokenizer import Tokenizer, copy_tokenizer_files
     from zaya.model.checksums import write_checksums
     from zaya.model.hf import write_hf
     from zaya.model.info import parameter_count
@@ -60,15 +65,20 @@ def export(checkpoint: str | Path, to: str | Path, format: str = "hf", dtype: st
     model, tokenizer, directory = load_for_inference(source, dtype=None if dtype == "keep" else DTYPES[dtype])
     with writing(to.parent, f"exporting to {to}"), atomic_directory(to, overwrite=replace) as tmp:
         (write_hf if format == "hf" else write_checkpoint)(model, tmp)
+        tokenizer_files = []
         if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+            tokenizer_files = copy_tokenizer_files(tokenizer.parent, tmp)
+            if format == "hf":
+                tokenizer_files += write_hf_tokenizer_files(tmp, Tokenizer.from_file(tmp / TOKENIZER), model.config,
+                                                            default_template=DEFAULT_TEMPLATE)
         write_checksums(tmp)
     if log is not None:
         params = list(model.parameters())
         dtypes = "/".join(sorted({dtype_name(p.dtype) for p in params}))
         log(f"wrote {to}: {format} ({FORMATS[format]}), {parameter_count(params):,} parameters, {dtypes}, "
-            f"from {describe(directory)}; " + (f"{TOKENIZER} copied" if tokenizer is not None else
-                                              f"no {TOKENIZER} found with the source (generate will need --tokenizer)"))
+            f"from {describe(directory)}; " + (f"with {', '.join(dict.fromkeys(tokenizer_files))}" if tokenizer_files
+                                               else f"no {TOKENIZER} found with the source (generate will need "
+                                               "--tokenizer)"))
     return to
 
 

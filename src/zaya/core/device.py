@@ -48,6 +48,13 @@ def resolve_device(spec: str = "auto", local_rank: int = 0, what: str = "--devic
     return device
 
 
+def default_inference_dtype(device: torch.device) -> str:
+    """The dtype ``zaya generate``, ``zaya serve`` and ``zaya eval`` run a model in unless ``--dtype`` says
+    otherwise: "bfloat16" on a GPU (CUDA, or ROCm under the same name), "float32" elsewhere (a CPU has no fast bf16
+    matmul on most machines, and fp32 is what transformers runs an export in by default)."""
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
 def to_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """The torch dtype ``dtype`` names: a torch.dtype as it is, or a name such as "bfloat16", "torch.bfloat16",
     "bf16", "int64". ValueError for a name that is not a torch dtype."""
