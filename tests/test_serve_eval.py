@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from serve_helpers import served_model
+from serve_helpers import served_checkpoint, served_model
 
 pytest.importorskip("lm_eval")
 
@@ -60,30 +61,46 @@ metric_list:
 }
 
 
-def test_lm_eval_tasks_on_the_engine(tmp_path, shakespeare_dataset):
+DOCS = [{"question": "ROMEO: What light", "choices": [" breaks", " sings", " falls"], "answer": 0},
+        {"question": "JULIET: O Romeo, Romeo", "choices": [" wherefore", " why"], "answer": 0},
+        {"question": "HAMLET: To be, or not to be, that is the question: whether 'tis nobler in the mind "
+                     "to suffer the slings and arrows of outrageous fortune", "choices": [" or", " and"], "answer": 1}]
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory) -> Path:
+    """The three tasks' YAML files on a local JSONL of ``DOCS``, and one whose dataset lives on the hub only; one
+    directory for the module, so that lm-eval indexes its tasks once (``zaya.eval.harness.task_manager``)."""
+    root = tmp_path_factory.mktemp("lm-eval")
+    data = root / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    tasks = root / "tasks"
+    tasks.mkdir()
+    for name, text in TASKS.items():
+        (tasks / f"{name}.yaml").write_text(text.format(data=data))
+    hub_only = TASKS["zaya_tiny_mc"].replace("zaya_tiny_mc", "zaya_hub_only").replace("dataset_path: json",
+                                                                                     "dataset_path: zaya-test/absent")
+    (tasks / "zaya_hub_only.yaml").write_text(hub_only.format(data=data))
+    return tasks
+
+
+def test_lm_eval_tasks_on_the_engine(tasks_dir, shakespeare_dataset):
     from zaya.data.tokenizer import Tokenizer
     from zaya.eval.harness import ZayaLM, evaluate_tasks
 
     tok = Tokenizer.from_file(shakespeare_dataset / "tokenizer.json")
     model = served_model(vocab_size=512, max_seq_len=64)
-    docs = [{"question": "ROMEO: What light", "choices": [" breaks", " sings", " falls"], "answer": 0},
-            {"question": "JULIET: O Romeo, Romeo", "choices": [" wherefore", " why"], "answer": 0},
-            {"question": "HAMLET: To be, or not to be, that is the question: whether 'tis nobler in the mind "
-                         "to suffer the slings and arrows of outrageous fortune", "choices": [" or", " and"],
-             "answer": 1}]
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    tasks_dir = tmp_path / "tasks"
-    tasks_dir.mkdir()
-    for name, text in TASKS.items():
-        (tasks_dir / f"{name}.yaml").write_text(text.format(data=data))
+    docs = DOCS
     out = evaluate_tasks(model, tok, list(TASKS), include_path=str(tasks_dir), num_slots=4)
     res = out["results"]
 
-    # the same scores from the model's forward pass
+    lm = ZayaLM(model, tok, num_slots=2)
+
+    # the same scores from the model's forward pass: a context starts with the tokenizer's prefix (none for zaya's
+    # BPE), an empty one is the prefix token (the eos here)
     def logp(context: str, continuation: str) -> float:
-        ctx = [2] + tok.encode(context)
-        cont = tok.encode(context + continuation)[len(ctx) - 1:]
+        ctx = tok.prefix_ids + tok.encode(context) if context else [lm.prefix_token_id]
+        cont = tok.encode(context + continuation)[len(ctx) - len(tok.prefix_ids) if context else 0:]
         ids = torch.tensor([ctx + cont])
         with torch.no_grad():
             lp = torch.log_softmax(model(ids).logits[0].float(), -1)
@@ -93,13 +110,37 @@ def test_lm_eval_tasks_on_the_engine(tmp_path, shakespeare_dataset):
               for d in docs) / len(docs)
     assert res["zaya_tiny_mc"]["acc,none"] == pytest.approx(acc)
     assert 0 <= res["zaya_tiny_gen"]["exact_match,none"] <= 1
-    lm = ZayaLM(model, tok, num_slots=2)
+    assert tok.prefix_ids == [] and lm.prefix_token_id == model.config.eos_token_id
 
     class Req:
         def __init__(self, *args):
             self.args = args
 
+    pairs = [(d["question"], d["choices"][0]) for d in docs[:2]] + [("", " ROMEO")]  # within the 64-token context
+    for (got, _), pair in zip(lm.loglikelihood([Req(*pair) for pair in pairs]), pairs):
+        assert got == pytest.approx(logp(*pair), abs=1e-3)
     rolled = lm.loglikelihood_rolling([Req(d["question"]) for d in docs])
     assert rolled[0] == pytest.approx(logp("", docs[0]["question"]), abs=1e-3)  # one window
     words = sum(len(d["question"].split()) for d in docs)
     assert res["zaya_tiny_ppl"]["word_perplexity,none"] == pytest.approx(math.exp(-sum(rolled) / words), rel=1e-3)
+
+
+@pytest.mark.parametrize("task, said", [
+    ("zaya_tiny_mcq", ["'zaya_tiny_mcq' is not a task", "did you mean 'zaya_tiny_mc'", "--include-path"]),
+    ("zaya_hub_only", ["cannot load task 'zaya_hub_only'", "zaya-test/absent", "--include-path"]),
+], ids=["unknown", "not-downloaded"])
+def test_a_task_lm_eval_cannot_run_is_a_user_error(tmp_path, capsys, monkeypatch, tasks_dir, shakespeare_dataset,
+                                                    task, said):
+    import datasets.config
+
+    from zaya.cli import main
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network here either way: fail at once
+    checkpoint = served_checkpoint(tmp_path / "ckpt", shakespeare_dataset / "tokenizer.json", max_seq_len=64)
+    assert main(["eval", "--checkpoint", str(checkpoint), "--tasks", task, "--include-path", str(tasks_dir),
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err  # lm-eval's own notes about the task file may come first
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and "a bug" not in err and line.startswith("zaya: error: --tasks: "), err
+    for text in said:
+        assert text in line, line

@@ -294,7 +294,9 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                 raise APIError(400, f"prompt: token id {bad} is outside the vocabulary [0, {engine.vocab_size})",
                                param="prompt", code="invalid_token_id")
         try:
-            ids = [encode_prompt(tokenizer, x, engine.capacity) if isinstance(x, str) else x for x in prompts]
+            prefix = tokenizer.prefix_ids  # a text prompt starts as generate's and transformers' do
+            ids = [prefix + encode_prompt(tokenizer, x, engine.capacity) if isinstance(x, str) else x
+                   for x in prompts]
         except ContextLengthError as exc:
             raise APIError(400, str(exc), param="prompt", code="context_length_exceeded") from None
         except TokenizerFailure as exc:

@@ -149,7 +149,8 @@ class Sample(Callback):
 
         model = trainer.parallel.model
         tokenizer = trainer.tokenizer()
-        ids = [model.config.eos_token_id] + tokenizer.encode(self.prompt)
+        prefix = tokenizer.prefix_ids  # a prompt starts as zaya generate's does
+        ids = prefix + tokenizer.encode(self.prompt)
         prompt = torch.tensor([ids], device=trainer.runtime.device)
         model.eval()
         try:
@@ -159,7 +160,7 @@ class Sample(Callback):
                 out = generate(model, prompt, max_new_tokens=self.tokens, temperature=0.8, top_k=40, seed=self.seed)
         finally:
             model.train()
-        sample = tokenizer.decode(out[0, 1:].tolist())
+        sample = tokenizer.decode(out[0, len(prefix):].tolist())
         summary["sample"] = sample
         trainer.log("--- sample ---")
         trainer.log(sample)
