@@ -28,10 +28,10 @@ from zaya.core.errors import CheckpointError, ConfigError
 from zaya.model.io import DAMAGED, ZAYA_WEIGHTS, check_layer_count, check_weight, read_zaya_meta
 from zaya.model.router import BALANCING_STATE, initial_balancing_state
 
-READ_CHUNK_BYTES = 64 << 20
+READ_CHUNK_BYTES = 16 << 20
 """The most bytes (as fp32) read from a safetensors file at a time: a large tensor (ZAYA1's 2 GB embedding) is
-read in row blocks, each file mapping closed after its block, so reading adds at most about this much to a rank's
-resident memory."""
+read in row blocks, each file mapping closed after its block, so reading adds tens of MB to a rank's resident
+memory, not a tensor's size (benchmarks/init_memory.py)."""
 SETTABLE = frozenset({
     "rope_theta", "max_seq_len", "residual_fp32", "moe_impl", "qk_temperature_init", "router_skip_bias_init",
     "init_std", "router_balancing", "router_balance_step", "router_balance_step_max", "router_balance_step_min",
