@@ -39,18 +39,20 @@ def consecutive_documents(lengths: Sequence[int], start: int = 3) -> list[np.nda
 
 
 def write_dataset(directory: Path, splits: dict[str, list[list[np.ndarray]]], dtype=np.uint16,
-                  vocab_size: int = 65536) -> PreparedDataset:
-    """Write a prepared dataset by hand. ``splits``: name -> bundles, each a list of documents (ids, no eos)."""
+                  vocab_size: int = 65536, masks: dict[str, list[list[np.ndarray]]] | None = None) -> PreparedDataset:
+    """Write a prepared dataset by hand. ``splits``: name -> bundles, each a list of documents (ids, no eos);
+    ``masks``: the same shape, each document's loss mask (its eos takes the mask of its last token)."""
     directory = Path(directory)
     directory.mkdir(parents=True)
     manifest_splits = {}
     for name, bundles in splits.items():
         entries = []
         for i, docs in enumerate(bundles):
-            writer = BundleWriter(directory / f"{name}-{i:05d}.zb", dtype)
-            for doc in docs:
-                writer.write(np.asarray(doc), False)
-                writer.write(np.array([EOS]), True)
+            writer = BundleWriter(directory / f"{name}-{i:05d}.zb", dtype, masked=masks is not None)
+            for j, doc in enumerate(docs):
+                mask = None if masks is None else np.asarray(masks[name][i][j])
+                writer.write(np.asarray(doc), False, mask)
+                writer.write(np.array([EOS]), True, None if mask is None else mask[-1:])
             entries.append(writer.close())
         manifest_splits[name] = {"tokens": sum(e["tokens"] for e in entries),
                                  "documents": sum(e["documents"] for e in entries), "bundles": entries}
@@ -58,6 +60,7 @@ def write_dataset(directory: Path, splits: dict[str, list[list[np.ndarray]]], dt
     tok.save(directory / TOKENIZER)
     manifest = {
         "format": DATASET_FORMAT, "format_version": DATASET_VERSION, "dtype": np.dtype(dtype).name,
+        "loss_mask": masks is not None,
         "tokenizer": {"file": TOKENIZER, "file_sha256": sha256_file(directory / TOKENIZER), "sha256": tok.sha256,
                       "source": tok.source, "vocab_size": vocab_size, "padded_vocab_size": vocab_size,
                       "pad_id": 0, "bos_id": 1, "eos_id": EOS,

@@ -209,8 +209,8 @@ def test_bundles_roll_over_at_bundle_mb_and_headers_match_manifest(tmp_path):
         assert split["documents"] == sum(e["documents"] for e in entries)
         for k, (entry, bundle) in enumerate(zip(entries, ds.split(name).bundles)):
             raw = (out / entry["file"]).read_bytes()
-            magic, version, width, tokens, documents, tok_off, idx_off = HEADER.unpack(raw[:HEADER.size])
-            assert (magic, version, width, tok_off) == (b"ZAYABNDL", 1, 2, 64)
+            magic, version, width, tokens, documents, tok_off, idx_off, mask_off = HEADER.unpack(raw[:HEADER.size])
+            assert (magic, version, width, tok_off, mask_off) == (b"ZAYABNDL", 1, 2, 64, 0)  # no mask: version 1
             assert (tokens, documents) == (entry["tokens"], entry["documents"])
             assert (bundle.num_tokens, bundle.num_documents) == (tokens, documents)
             assert len(raw) == entry["bytes"] == idx_off + 8 * (documents + 1)
@@ -289,7 +289,7 @@ def test_prepare_with_an_existing_tokenizer(tmp_path):
         assert second.manifest["tokenizer"][key] == first.manifest["tokenizer"][key], key
     from zaya.data.tokenizer import TokenizerError
 
-    with pytest.raises(TokenizerError, match=r"eos token '</s>' is not in the vocabulary"):
+    with pytest.raises(TokenizerError, match=r"eos token '</s>' \(given.*is not in the vocabulary"):
         run_prepare(tmp_path, inputs, out="bad-eos", tokenizer=str(tokenizer), eos_token="</s>")
     with pytest.raises(TokenizerError, match="nope.json: tokenizer file not found"):
         run_prepare(tmp_path, inputs, out="bad-eos", tokenizer=str(tmp_path / "nope.json"))
@@ -651,7 +651,7 @@ def test_a_full_disk_while_preparing_is_exit_5_naming_the_directory(tmp_path, mo
     from zaya.data.cache import resolve_dataset
     from zaya.core.errors import DiskFullError
 
-    def full(self, ids, end_of_document):
+    def full(self, ids, end_of_document, mask=None):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(BundleWriter, "write", full)

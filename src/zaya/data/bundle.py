@@ -11,9 +11,12 @@ A bundle (``.zb``) is one file, little-endian::
 
     offset 0    header, 64 bytes: magic b"ZAYABNDL", u32 format version, u32 bytes per token (2 or 4),
                 u64 tokens, u64 documents, u64 byte offset of the token array, u64 byte offset of the index,
-                16 reserved zero bytes
+                u64 byte offset of the loss mask (0: none), 8 reserved zero bytes
     offset 64   tokens: every document's ids followed by the eos id, documents back to back
     (8-aligned) index: documents + 1 u64 token offsets; document i is tokens[index[i]:index[i+1]] (its eos last)
+    (version 2) loss mask: one u8 per token, 1 where the token is a training target (chat data: the assistant's)
+
+Version 1 bundles (no mask field, every token a target) are written for data without a mask and still read.
 
 The full specification, with the manifest's fields, is in docs/formats.md. Readers memory-map both arrays, so
 opening a bundle costs one ``open`` and no copying, and the OS page cache serves repeated epochs.
@@ -35,8 +38,9 @@ from zaya.core.errors import DataError
 from zaya.core.fsutil import read_json
 
 MAGIC = b"ZAYABNDL"
-BUNDLE_VERSION = 1
-HEADER = struct.Struct("<8sIIQQQQ16x")
+BUNDLE_VERSION = 2
+"""The newest bundle format (2: with a loss mask); a bundle without one is written as version 1."""
+HEADER = struct.Struct("<8sIIQQQQQ8x")
 assert HEADER.size == 64
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
@@ -65,8 +69,9 @@ def sha256_file(path: str | Path, chunk: int = 8 << 20) -> str:
 class BundleWriter:
     """Streams documents into one bundle file; memory stays bounded (the index is spooled to a side file)."""
 
-    def __init__(self, path: str | Path, dtype: np.dtype):
+    def __init__(self, path: str | Path, dtype: np.dtype, masked: bool = False):
         self.path = Path(path)
+        self.masked = masked
         self.dtype = np.dtype(dtype).newbyteorder("<")
         if self.dtype.itemsize not in _DTYPES:
             raise ValueError(f"bundle dtype must be uint16 or uint32, not {dtype}")
@@ -75,6 +80,8 @@ class BundleWriter:
         self._index_path = self.path.with_name(self.path.name + ".index-spool")
         self._index: BinaryIO = open(self._index_path, "wb")
         self._index.write(np.zeros(1, "<u8").tobytes())
+        self._mask_path = self.path.with_name(self.path.name + ".mask-spool")
+        self._mask: BinaryIO | None = open(self._mask_path, "wb") if masked else None
         self.tokens = 0
         self.documents = 0
         self._in_document = False
@@ -83,9 +90,15 @@ class BundleWriter:
     def bytes_written(self) -> int:
         return HEADER.size + self.tokens * self.dtype.itemsize
 
-    def write(self, ids: np.ndarray, end_of_document: bool) -> None:
-        """Append ids of the current document; ``end_of_document`` closes it (the caller appends the eos id)."""
+    def write(self, ids: np.ndarray, end_of_document: bool, mask: np.ndarray | None = None) -> None:
+        """Append ids of the current document; ``end_of_document`` closes it (the caller appends the eos id). A
+        ``masked`` writer takes each id's loss mask (1: a target) too."""
         ids = np.asarray(ids)
+        if self._mask is not None:
+            mask = np.asarray(mask, dtype=np.uint8)
+            if mask.shape != ids.shape:
+                raise ValueError(f"{self.path}: a loss mask of {mask.size} for {ids.size} ids")
+            self._mask.write(mask.tobytes())
         if ids.size:
             self._fh.write(ids.astype(self.dtype, copy=False).tobytes())
             self.tokens += int(ids.size)
@@ -103,28 +116,38 @@ class BundleWriter:
         token_end = HEADER.size + self.tokens * self.dtype.itemsize
         index_offset = _align8(token_end)
         self._fh.write(b"\0" * (index_offset - token_end))
-        with open(self._index_path, "rb") as spool:
-            while block := spool.read(8 << 20):
-                self._fh.write(block)
-        self._index_path.unlink()
+        self._append(self._index_path)
+        mask_offset = 0
+        if self._mask is not None:
+            self._mask.close()
+            mask_offset = index_offset + (self.documents + 1) * 8
+            self._append(self._mask_path)
         self._fh.seek(0)
-        self._fh.write(HEADER.pack(MAGIC, BUNDLE_VERSION, self.dtype.itemsize, self.tokens, self.documents,
-                                   HEADER.size, index_offset))
+        self._fh.write(HEADER.pack(MAGIC, BUNDLE_VERSION if self.masked else 1, self.dtype.itemsize, self.tokens,
+                                   self.documents, HEADER.size, index_offset, mask_offset))
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()
         return {"file": self.path.name, "tokens": self.tokens, "documents": self.documents,
                 "bytes": self.path.stat().st_size, "sha256": sha256_file(self.path)}
 
+    def _append(self, spool_path: Path) -> None:
+        with open(spool_path, "rb") as spool:
+            while block := spool.read(8 << 20):
+                self._fh.write(block)
+        spool_path.unlink()
+
     def abort(self) -> None:
-        for fh in (self._fh, self._index):
-            fh.close()
-        self._index_path.unlink(missing_ok=True)
-        self.path.unlink(missing_ok=True)
+        for fh in (self._fh, self._index, self._mask):
+            if fh is not None:
+                fh.close()
+        for path in (self._index_path, self._mask_path, self.path):
+            path.unlink(missing_ok=True)
 
 
 class Bundle:
-    """One memory-mapped bundle: ``tokens`` (uint16/uint32) and ``index`` (u64 document starts, plus the end)."""
+    """One memory-mapped bundle: ``tokens`` (uint16/uint32), ``index`` (u64 document starts, plus the end) and
+    ``mask`` (u8 per token, 1 for a target; None when every token is one)."""
 
     def __init__(self, path: str | Path, expect: dict[str, Any] | None = None):
         self.path = Path(path)
@@ -139,13 +162,15 @@ class Bundle:
             raw = fh.read(HEADER.size)
         if len(raw) < HEADER.size:
             raise DatasetError(f"{self.path}: shorter than a bundle header (truncated)")
-        magic, version, width, tokens, documents, token_offset, index_offset = HEADER.unpack(raw)
+        magic, version, width, tokens, documents, token_offset, index_offset, mask_offset = HEADER.unpack(raw)
         if magic != MAGIC:
             raise DatasetError(f"{self.path}: not a zaya bundle (bad magic {magic!r})")
-        if version != BUNDLE_VERSION:
-            raise DatasetError(f"{self.path}: bundle format version {version}; this zaya reads version "
+        if version not in (1, BUNDLE_VERSION):
+            raise DatasetError(f"{self.path}: bundle format version {version}; this zaya reads versions 1 to "
                                f"{BUNDLE_VERSION} (upgrade zaya or prepare the data again)")
-        if width not in _DTYPES or index_offset + (documents + 1) * 8 != size:
+        index_end = index_offset + (documents + 1) * 8
+        if width not in _DTYPES or (mask_offset, size) not in ((0, index_end), (index_end, index_end + tokens)) \
+                or (version == 1 and mask_offset):
             raise DatasetError(f"{self.path}: header does not match the file size (truncated or corrupt)")
         if expect is not None and (tokens, documents) != (expect["tokens"], expect["documents"]):
             raise DatasetError(f"{self.path}: header says {tokens} tokens / {documents} documents, the manifest "
@@ -156,6 +181,8 @@ class Bundle:
         self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r", offset=token_offset, shape=(self.num_tokens,)) \
             if tokens else np.zeros(0, self.dtype)
         self.index = np.memmap(self.path, dtype="<u8", mode="r", offset=index_offset, shape=(documents + 1,))
+        self.mask = None if not mask_offset else np.memmap(self.path, dtype=np.uint8, mode="r", offset=mask_offset,
+                                                           shape=(self.num_tokens,)) if tokens else np.zeros(0, np.uint8)
 
     def document(self, i: int) -> np.ndarray:
         """Ids of document ``i``, its trailing eos included."""
@@ -221,6 +248,14 @@ class PreparedDataset:
             self.verify()
         self.splits = {name: Split(name, [Bundle(self.directory / b["file"], expect=b) for b in split["bundles"]])
                        for name, split in self.manifest["splits"].items()}
+        self.loss_mask: bool = self.manifest.get("loss_mask", False)
+        """Whether the bundles carry loss masks (chat data: only the assistant's tokens are targets)."""
+        unlike = [b.path.name for split in self.splits.values() for b in split.bundles
+                  if (b.mask is not None) != self.loss_mask]
+        if unlike:
+            raise DatasetError(f"{manifest_path}: says loss_mask = {str(self.loss_mask).lower()}, but the bundle "
+                               f"{unlike[0]} {'lacks' if self.loss_mask else 'has'} one (corrupt or mixed by hand); "
+                               "prepare the dataset again")
         tok = self.manifest["tokenizer"]
         self.vocab_size: int = tok["vocab_size"]
         self.eos_id: int = tok["eos_id"]
@@ -233,6 +268,8 @@ class PreparedDataset:
         for key in ("vocab_size", "eos_id"):
             if type(tok[key]) is not int or tok[key] < 0 or (key == "vocab_size" and tok[key] == 0):
                 raise ValueError(f"tokenizer.{key} = {tok[key]!r} is not a valid id count or id")
+        if type(self.manifest.get("loss_mask", False)) is not bool:
+            raise ValueError(f"loss_mask = {self.manifest['loss_mask']!r} is not true or false")
         if np.dtype(self.manifest["dtype"]) not in (np.uint16, np.uint32):
             raise ValueError(f"dtype {self.manifest['dtype']!r} is not uint16 or uint32")
         for name, split in self.manifest["splits"].items():

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from zaya.core.errors import ConfigError
 from zaya.core.fsutil import read_regular
 from zaya.data.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG, read_tokenizer_config, special_token_names
@@ -171,3 +173,52 @@ def _first_difference(before: str, after: str, text: str) -> str:
         else (after, text, "up to the reply vs the whole conversation")
     at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return f"{what} differ at character {at}: {a[at:at + 20]!r} vs {b[at:at + 20]!r}"
+
+
+class ConversationRenderer:
+    """Conversations of one tokenizer rendered for training: with its own template (in the bounded child) when its
+    directory has one, else ``DEFAULT_TEMPLATE``. ``special_tokens``: whether the text is encoded with the special
+    tokens it spells as those tokens (a tokenizer's template writes them; the default writes none)."""
+
+    def __init__(self, tokenizer, timeout: float = 10.0, max_chars: int = 1 << 26) -> None:
+        from zaya.data.template_sandbox import RenderError, TemplateProcess
+
+        found = find_template(tokenizer.directory)
+        self.special_tokens = found is not None
+        self.where = found.where if found else "zaya's default chat template"
+        self._variables = template_variables(tokenizer, found.special_tokens if found else {}, [], False)
+        if found is None:
+            self._renderer: Renderer = DefaultRenderer()
+            return
+        process = TemplateProcess(found.jinja, timeout, max_chars)
+        try:
+            process.check()
+        except RenderError as exc:
+            process.close()
+            raise ConfigError(f"{found.where}: the chat template cannot be used ({exc.kind}: {exc.message}); fix it "
+                              "or remove it to use zaya's default template") from None
+        self._renderer = process
+
+    def conversation(self, messages: list[dict]) -> Conversation:
+        """``messages`` rendered, the assistant's replies marked (``RenderError`` when the template fails on them)."""
+        return render_conversation(self._renderer, self._variables, messages, self.where)
+
+    def close(self) -> None:
+        close = getattr(self._renderer, "close", None)
+        if close is not None:
+            close()
+
+
+def conversation_ids(tokenizer, text: str, targets: list[tuple[int, int]],
+                     special_tokens: bool) -> tuple[list[int], np.ndarray]:
+    """A rendered conversation's ids (starting with ``prefix_ids`` once) and loss mask: 1 for a token holding a
+    character of a target range (a token that straddles a reply's edge is the reply's), 0 elsewhere."""
+    ids, offsets = tokenizer.encode_offsets(text, special_tokens)
+    starts = np.fromiter((a for a, _ in offsets), np.int64, len(offsets))
+    ends = np.fromiter((b for _, b in offsets), np.int64, len(offsets))
+    first = np.array([a for a, _ in targets] + [len(text) + 1], np.int64)
+    last = np.array([b for _, b in targets] + [len(text) + 2], np.int64)
+    k = np.searchsorted(last, starts, side="right")  # the first range ending after the token starts
+    mask = (first[k] < np.maximum(ends, starts + 1)).astype(np.uint8)
+    full = tokenizer.with_prefix(ids)
+    return full, np.concatenate([np.zeros(len(full) - len(ids), np.uint8), mask])

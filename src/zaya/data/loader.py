@@ -6,6 +6,13 @@ every token is an input exactly once per epoch. Windows never straddle bundles; 
 (< ``seq_len`` tokens) is dropped. Optionally each batch carries ``position_ids`` that restart at 0 at every
 document start, from which attention can be masked per document.
 
+**Loss masks.** A dataset prepared in the chat format carries a loss mask (``PreparedDataset.loss_mask``): a label
+whose token is not a target (anything but the assistant's replies) is -100, which the loss ignores, through packing
+and window cuts alike; a dataset without one has every label a target, also in a mixture with masked ones. Each
+batch counts its targets on this rank and over all ranks (``num_targets``, ``global_targets``: what the step's loss
+is averaged over), the latter from per-window counts cached per bundle, so no collective is needed. Packed
+conversations must not see each other: masked data needs ``data.document_positions`` and ``data.document_mask``.
+
 **Shuffle.** Sequence ``i`` of epoch ``e`` is ``P_e(i)``, a keyed pseudo-random permutation of ``[0, n)`` (a Feistel
 network with cycle-walking): computed on demand, O(1) memory at any dataset size, identical on every machine.
 
@@ -105,20 +112,26 @@ class SequenceSource:
                 f"dataset {name or split.name!r}: seq_len {seq_len} is longer than any of its token streams can "
                 f"fill (largest bundle: {longest:,} tokens, a sequence needs {seq_len + 1}); use a shorter seq_len "
                 "or prepare more text (or larger bundles with --bundle-mb)")
+        self.masked = any(b.mask is not None for b in split.bundles)
+        self._targets: dict[int, np.ndarray] = {}
         dropped = split.num_tokens - self.num_sequences * seq_len
         if dropped > 0.05 * split.num_tokens:
             warnings.warn(f"dataset {name or split.name!r}: {dropped:,} of {split.num_tokens:,} tokens "
                           f"({dropped / split.num_tokens:.0%}) fall in the partial last window of a bundle at "
                           f"seq_len {seq_len} and are never used", stacklevel=2)
 
-    def read(self, indices: np.ndarray, out: np.ndarray, positions: np.ndarray | None) -> None:
-        """Copy sequences ``indices`` into rows of ``out`` [len, seq_len + 1]; fill ``positions`` if given."""
+    def read(self, indices: np.ndarray, out: np.ndarray, positions: np.ndarray | None,
+             keep: np.ndarray | None = None) -> None:
+        """Copy sequences ``indices`` into rows of ``out`` [len, seq_len + 1]; fill ``positions`` if given, and
+        ``keep`` [len, seq_len + 1] with each token's loss mask (1: a target) if given."""
         bundles = np.searchsorted(self.offsets, indices, side="right") - 1
         L = self.seq_len
         for row, (i, b) in enumerate(zip(indices.tolist(), bundles.tolist())):
             bundle = self.split.bundles[b]
             start = (i - int(self.offsets[b])) * L
             out[row] = bundle.tokens[start:start + L + 1]
+            if keep is not None:
+                keep[row] = 1 if bundle.mask is None else bundle.mask[start:start + L + 1]
             if positions is not None:
                 # Last document start at or before each input token -> the token's position within its document.
                 # uint64 keys: a Python int against the uint64 index would promote both to float64, converting
@@ -133,6 +146,34 @@ class SequenceSource:
                 positions[row] = np.arange(L) - np.maximum.accumulate(marks)
         if self.vocab_size is not None and len(indices):
             self._check_ids(out[:len(indices)], indices, bundles)
+
+    def targets(self, indices: np.ndarray) -> np.ndarray:
+        """How many labels of each sequence in ``indices`` are targets (``seq_len`` without a mask)."""
+        if not self.masked:
+            return np.full(len(indices), self.seq_len, dtype=np.int64)
+        bundles = np.searchsorted(self.offsets, indices, side="right") - 1
+        counts = np.empty(len(indices), dtype=np.int64)
+        for b in np.unique(bundles).tolist():
+            at = bundles == b
+            counts[at] = self._bundle_targets(b)[indices[at] - int(self.offsets[b])]
+        return counts
+
+    def _bundle_targets(self, b: int, rows: int = 1 << 14) -> np.ndarray:
+        """Targets per window of bundle ``b`` (its labels are tokens 1 .. L of the window), computed once, a
+        chunk of windows at a time."""
+        if b not in self._targets:
+            bundle, L = self.split.bundles[b], self.seq_len
+            n = int(self.offsets[b + 1] - self.offsets[b])
+            if bundle.mask is None:
+                self._targets[b] = np.full(n, L, dtype=np.int64)
+            else:
+                counts = np.empty(n, dtype=np.int64)
+                for first in range(0, n, rows):
+                    last = min(n, first + rows)
+                    window = np.asarray(bundle.mask[first * L + 1:last * L + 1]).reshape(last - first, L)
+                    counts[first:last] = window.sum(axis=1, dtype=np.int64)
+                self._targets[b] = counts
+        return self._targets[b]
 
     def _check_ids(self, rows: np.ndarray, indices: np.ndarray, bundles: np.ndarray) -> None:
         if int(rows.min()) >= 0 and int(rows.max()) < self.vocab_size:
@@ -184,7 +225,7 @@ class Batch:
     global_tokens: int                       # tokens in this micro-batch summed over all ranks
     sources: dict[str, int] = field(default_factory=dict)   # sequences per dataset in this rank's rows
     num_targets: int = 0
-    """Labels of this rank's rows that count towards the loss (packed sequences: every one of them)."""
+    """Labels of this rank's rows that count towards the loss (not -100: every one of them without a loss mask)."""
     global_targets: int = 0
     """The same summed over all ranks: what the step's loss is averaged over (no collective needed to know it)."""
 
@@ -212,7 +253,8 @@ class DataLoader:
 
     def __init__(self, datasets: Mapping[str, PreparedDataset | str | Path], stages: list[Stage],
                  rank: int = 0, world_size: int = 1, seed: int = 0, split: str = "train",
-                 document_positions: bool = False, prefetch: int = 4, pin_memory: bool = False):
+                 document_positions: bool = False, prefetch: int = 4, pin_memory: bool = False,
+                 document_mask: bool = False):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         if not stages:
@@ -232,6 +274,12 @@ class DataLoader:
             raise DatasetError("the mixture's datasets were prepared with different tokenizers: "
                                + ", ".join(f"{n} ({d.directory})" for n, d in self.datasets.items()))
         self.eos_id = eos.pop()
+        masked = sorted(n for n, d in self.datasets.items() if d.loss_mask)
+        if masked and not (document_positions and document_mask):
+            raise DatasetError(f"dataset(s) {', '.join(masked)} hold chat data with loss masks: set "
+                               "data.document_positions = true and data.document_mask = true, so that packed "
+                               "conversations do not attend to each other")
+        self.masked = bool(masked)
         self.stages, self.rank, self.world_size, self.seed = list(stages), rank, world_size, seed
         self.split, self.document_positions, self.prefetch = split, document_positions, prefetch
         self.pin_memory = pin_memory  # batches in page-locked memory, for asynchronous copies to a GPU
@@ -312,35 +360,47 @@ class DataLoader:
             ordinal[hit] = state["counts"][name] + np.arange(int(hit.sum()))
             state["counts"][name] += int(hit.sum())
         mine = slice(self.rank * b, (self.rank + 1) * b)
+        # Every rank's sequence numbers when the targets of all of them are counted (masked data), else this rank's.
+        counted = slice(0, W * b) if self.masked else mine
+        indices = np.empty(W * b, dtype=np.int64)
+        global_targets = 0
+        for k in np.unique(which[counted]).tolist():
+            name = self.names[k]
+            sel = np.nonzero(which[counted] == k)[0] + counted.start
+            n = self._source(name, L).num_sequences
+            for epoch in np.unique(ordinal[sel] // n).tolist():
+                e = sel[ordinal[sel] // n == epoch]
+                indices[e] = self._permutation(state["stage"], name, epoch, n)(ordinal[e] % n)
+            if self.masked:
+                global_targets += int(self._source(name, L).targets(indices[sel]).sum())
         rows = np.empty((b, L + 1), dtype=np.int64)
         positions = np.empty((b, L), dtype=np.int64) if self.document_positions else None
+        keep = np.empty((b, L + 1), dtype=np.uint8) if self.masked else None
         sources: dict[str, int] = {}
         for k in np.unique(which[mine]).tolist():
             name = self.names[k]
             sel = np.nonzero(which[mine] == k)[0]
-            source = self._source(name, L)
-            n = source.num_sequences
-            seq_numbers = ordinal[mine][sel]
-            indices = np.empty(len(sel), dtype=np.int64)
-            for epoch in np.unique(seq_numbers // n).tolist():
-                e = seq_numbers // n == epoch
-                indices[e] = self._permutation(state["stage"], name, epoch, n)(seq_numbers[e] % n)
             block = np.empty((len(sel), L + 1), dtype=np.int64)
             pos = np.empty((len(sel), L), dtype=np.int64) if positions is not None else None
-            source.read(indices, block, pos)
+            kept = np.empty((len(sel), L + 1), dtype=np.uint8) if keep is not None else None
+            self._source(name, L).read(indices[mine][sel], block, pos, kept)
             rows[sel] = block
             if positions is not None:
                 positions[sel] = pos
+            if keep is not None:
+                keep[sel] = kept
             sources[name] = len(sel)
+        labels = rows[:, 1:] if keep is None else _ignore_masked(rows[:, 1:], keep[:, 1:])
         global_tokens = W * b * L
         state["slot"] += W * b
         state["tokens"] += global_tokens
         state["stage_tokens"] += global_tokens
         state["batches"] += 1
-        batch = Batch(input_ids=self._tensor(rows[:, :-1]), labels=self._tensor(rows[:, 1:]),
+        batch = Batch(input_ids=self._tensor(rows[:, :-1]), labels=self._tensor(labels),
                       position_ids=self._tensor(positions) if positions is not None else None,
-                      stage=stage.name, global_tokens=global_tokens, sources=sources, num_targets=b * L,
-                      global_targets=global_tokens)
+                      stage=stage.name, global_tokens=global_tokens, sources=sources,
+                      num_targets=b * L if keep is None else int(keep[:, 1:].sum()),
+                      global_targets=global_tokens if keep is None else global_targets)
         return batch, state
 
     def _tensor(self, array: np.ndarray):
@@ -412,6 +472,13 @@ class DataLoader:
             pass
 
 
+def _ignore_masked(labels: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """``labels`` with those whose token is not a target (``keep`` 0) set to the index the loss ignores."""
+    from zaya.model.loss import IGNORE_INDEX
+
+    return np.where(keep == 1, labels, IGNORE_INDEX)
+
+
 def validation_batches(dataset: PreparedDataset | str | Path, seq_len: int, batch_size: int, rank: int = 0,
                        world_size: int = 1, max_batches: int | None = None, split: str = "val"):
     """The validation split in order (no shuffle), as input/label tensors; rank ``r`` takes every W-th batch.
@@ -431,9 +498,10 @@ def validation_batches(dataset: PreparedDataset | str | Path, seq_len: int, batc
     for r in range(rounds):
         first = (r * world_size + rank) * batch_size
         rows = np.empty((batch_size, seq_len + 1), dtype=np.int64)
-        source.read(np.arange(first, first + batch_size), rows, None)
-        data = torch.from_numpy(rows)
-        yield data[:, :-1].contiguous(), data[:, 1:].contiguous()
+        keep = np.empty((batch_size, seq_len + 1), dtype=np.uint8) if source.masked else None
+        source.read(np.arange(first, first + batch_size), rows, None, keep)
+        labels = rows[:, 1:] if keep is None else _ignore_masked(rows[:, 1:], keep[:, 1:])
+        yield torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(np.ascontiguousarray(labels))
 
 
 def check_vocabulary(dataset: PreparedDataset, model_vocab_size: int, model_eos_id: int | None = None) -> None:

@@ -1,5 +1,11 @@
 """``zaya data prepare``: text in, a prepared dataset (tokenizer + bundles + manifest) out.
 
+Every document starts with the tokenizer's ``prefix_ids`` (Gemma's <bos>; nothing for the BPE zaya trains) and ends
+with its eos, as transformers' tokenizer and zaya's loader expect. In the chat format (``--format chat``) each
+conversation is rendered with the tokenizer's chat template or zaya's default (``zaya.data.chat_template``) and its
+bundles carry a loss mask: 1 on the assistant's tokens (and on the eos after a conversation that ends with a reply,
+so the model learns to stop), 0 elsewhere.
+
 The pipeline streams: the main process reads and decodes inputs (``zaya.data.sources``) and groups pieces into
 batches of about ``BATCH_BYTES`` of text; ``workers`` processes tokenize batches (a bounded number in flight, results
 taken in order, so the output is identical for any worker count); the main process routes each document to the
@@ -36,6 +42,7 @@ from zaya.core.fsutil import atomic_directory, atomic_write_text
 
 BATCH_BYTES = 1 << 20
 SPLITS = ("train", "val")
+FORMATS = ("text", "chat")
 
 
 @dataclass
@@ -44,7 +51,8 @@ class PrepareOptions:
 
     inputs: list[str]
     out: str
-    tokenizer: str | None = None          # an existing tokenizer.json; else one is trained
+    tokenizer: str | None = None          # a tokenizer.json or a Hugging Face model directory; else one is trained
+    format: str = "text"                  # "text" (documents) or "chat" (conversations with loss masks)
     vocab_size: int = 8192                # size of the trained BPE (multiple of 64)
     tokenizer_sample_mb: float = 512.0    # text used to train the tokenizer (the first MB of the inputs)
     bundle_mb: float = 1024.0             # bundle size at which a new bundle starts
@@ -52,7 +60,7 @@ class PrepareOptions:
     seed: int = 0                         # seeds the train/validation split
     workers: int = 1                      # tokenizer processes
     strict: bool = False                  # invalid UTF-8 or bad JSON lines fail instead of being counted
-    text_field: str = "text"              # the field of a JSON Lines record that holds the text
+    text_field: str = "text"              # the JSON Lines field or the Parquet / Arrow column that holds the text
     eos_token: str | None = None          # override the special tokens found in a loaded tokenizer
     bos_token: str | None = None
     pad_token: str | None = None
@@ -85,12 +93,19 @@ def _init_worker(tokenizer_json: str, special: tuple[int, int, int]) -> None:
     _WORKER_TOKENIZER = Tokenizer(Backend.from_str(tokenizer_json), SpecialIds(*special))
 
 
-def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenize a batch; return the ids concatenated (int64) and each text's length, which pickle cheaply."""
-    encoded = _WORKER_TOKENIZER.encode_batch(texts)
+def _encode(texts: list[str], targets: list | None, special_tokens: bool):
+    """Tokenize a batch; return the ids concatenated (int64), each text's length, and for chat pieces (``targets``
+    given) the loss mask concatenated (uint8, else None): arrays, which pickle cheaply."""
+    from zaya.data.chat_template import conversation_ids
+
+    tok = _WORKER_TOKENIZER
+    if targets is None:
+        encoded, masks = tok.encode_batch(texts), None
+    else:
+        encoded, masks = zip(*(conversation_ids(tok, t, spans, special_tokens) for t, spans in zip(texts, targets)))
     lengths = np.fromiter((len(e) for e in encoded), dtype=np.int64, count=len(encoded))
     flat = np.fromiter((i for e in encoded for i in e), dtype=np.int64, count=int(lengths.sum()))
-    return flat, lengths
+    return flat, lengths, None if masks is None else np.concatenate(masks)
 
 
 class _SerialPool:
@@ -100,8 +115,8 @@ class _SerialPool:
         global _WORKER_TOKENIZER
         _WORKER_TOKENIZER = tokenizer
 
-    def submit(self, texts):
-        result = _encode(texts)
+    def submit(self, *args):
+        result = _encode(*args)
         return lambda: result
 
     def close(self):
@@ -118,8 +133,8 @@ class _ProcessPool:
         self._pool = ctx.Pool(workers, initializer=_init_worker,
                               initargs=(tokenizer.backend.to_str(), (s.pad, s.bos, s.eos)))
 
-    def submit(self, texts):
-        return self._pool.apply_async(_encode, (texts,)).get
+    def submit(self, *args):
+        return self._pool.apply_async(_encode, args).get
 
     def close(self):
         self._pool.close()
@@ -162,19 +177,19 @@ class _Progress:
 class _SplitWriter:
     """Appends documents of one split to its bundles, rolling to a new bundle at the size limit."""
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, bundle_bytes: int, eos: int):
-        self.directory, self.split, self.dtype = directory, split, dtype
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, bundle_bytes: int, eos: int, masked: bool):
+        self.directory, self.split, self.dtype, self.masked = directory, split, dtype, masked
         self.bundle_bytes, self.eos = bundle_bytes, np.array([eos])
         self.entries: list[dict[str, Any]] = []
         self.writer: BundleWriter | None = None
 
-    def write(self, ids: np.ndarray, end_of_document: bool) -> None:
+    def write(self, ids: np.ndarray, end_of_document: bool, mask: np.ndarray | None = None) -> None:
         if self.writer is None:
             name = f"{self.split}-{len(self.entries):05d}{BUNDLE_SUFFIX}"
-            self.writer = BundleWriter(self.directory / name, self.dtype)
-        self.writer.write(ids, False)
-        if end_of_document:
-            self.writer.write(self.eos, True)
+            self.writer = BundleWriter(self.directory / name, self.dtype, self.masked)
+        self.writer.write(ids, False, mask)
+        if end_of_document:  # the eos is a target where the document's last token is (a reply's end)
+            self.writer.write(self.eos, True, None if mask is None else mask[-1:])
             if self.writer.bytes_written >= self.bundle_bytes:
                 self.entries.append(self.writer.close())
                 self.writer = None
@@ -203,6 +218,9 @@ def _batches(pieces, batch_bytes: int):
 def _load_or_train_tokenizer(opts: PrepareOptions, files, log) -> Tokenizer:
     if opts.tokenizer:
         return Tokenizer.from_file(opts.tokenizer, pad=opts.pad_token, bos=opts.bos_token, eos=opts.eos_token)
+    if opts.format == "chat":
+        raise InputError("--format chat needs --tokenizer: chat data is for fine-tuning a model, and is tokenized "
+                         "with its tokenizer (its Hugging Face directory, or the tokenizer.json of its run or export)")
     log(f"training a {opts.vocab_size}-entry byte-level BPE on up to {opts.tokenizer_sample_mb:g} MB of the input")
     stats = InputStats()
     docs = iter_documents(files, stats, strict=opts.strict, text_field=opts.text_field,
@@ -228,6 +246,8 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareResult:
         raise InputError(f"--bundle-mb {opts.bundle_mb}: must be positive")
     if opts.workers < 1:
         raise InputError(f"--workers {opts.workers}: must be at least 1")
+    if opts.format not in FORMATS:
+        raise InputError(f"--format {opts.format}: must be one of {', '.join(FORMATS)}")
     out = Path(opts.out)
     leftovers.sweep(out, log)
     if out.exists() and not opts.force:
@@ -237,13 +257,19 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareResult:
 
     start = time.perf_counter()
     tokenizer = _load_or_train_tokenizer(opts, files, log)
-    eos = tokenizer.special.eos
+    eos, prefix = tokenizer.special.eos, np.array(tokenizer.prefix_ids, dtype=np.int64)
+    chat = None
+    if opts.format == "chat":
+        from zaya.data.chat_template import ConversationRenderer
+
+        chat = ConversationRenderer(tokenizer)
+        log(f"chat format: conversations rendered with {chat.where}; only the assistant's tokens are targets")
     stats = InputStats()
     rng = random.Random(opts.seed)
     bundle_bytes = int(opts.bundle_mb * 1e6)
     with atomic_directory(out, overwrite=opts.force) as tmp:
         leftovers.claim(tmp)
-        writers = {s: _SplitWriter(tmp, s, tokenizer.dtype, bundle_bytes, eos) for s in SPLITS}
+        writers = {s: _SplitWriter(tmp, s, tokenizer.dtype, bundle_bytes, eos, chat is not None) for s in SPLITS}
         pool = _SerialPool(tokenizer) if opts.workers == 1 else _ProcessPool(tokenizer, opts.workers)
         progress = _Progress(total_bytes, log)
         in_flight: collections.deque = collections.deque()
@@ -253,20 +279,26 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareResult:
         def drain_one() -> None:
             nonlocal split_of_open_document, tokens
             batch, result = in_flight.popleft()
-            flat, lengths = result()
+            flat, lengths, masks = result()
             starts = np.concatenate([[0], np.cumsum(lengths)])
             for piece, a, b in zip(batch, starts[:-1], starts[1:]):
                 if split_of_open_document is None:
                     split_of_open_document = "val" if rng.random() < opts.val_fraction else "train"
-                writers[split_of_open_document].write(flat[a:b], piece.end_of_document)
+                    if chat is None and prefix.size:  # a conversation's ids start with the prefix already
+                        writers[split_of_open_document].write(prefix, False)
+                        tokens += prefix.size
+                writers[split_of_open_document].write(flat[a:b], piece.end_of_document,
+                                                      None if masks is None else masks[a:b])
                 tokens += int(b - a) + int(piece.end_of_document)
                 if piece.end_of_document:
                     split_of_open_document = None
             progress.update(stats, tokens)
 
         try:
-            for batch in _batches(iter_pieces(files, stats, opts.strict, opts.text_field), BATCH_BYTES):
-                in_flight.append((batch, pool.submit([p.text for p in batch])))
+            for batch in _batches(iter_pieces(files, stats, opts.strict, opts.text_field, chat), BATCH_BYTES):
+                targets = None if chat is None else [p.targets for p in batch]
+                in_flight.append((batch, pool.submit([p.text for p in batch], targets,
+                                                     chat is not None and chat.special_tokens)))
                 if len(in_flight) > 2 * opts.workers:
                     drain_one()
             while in_flight:
@@ -274,14 +306,16 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareResult:
         finally:
             pool.close()
             progress.close()
+            if chat is not None:
+                chat.close()
         splits = {s: w.close() for s, w in writers.items()}
         if splits["train"]["tokens"] == 0:
             raise InputError(f"no text in the inputs ({', '.join(map(str, opts.inputs))}): "
                              f"{stats.no_text_reason(opts.text_field)}")
         if opts.val_fraction > 0 and splits["val"]["documents"] == 0:
             log(f"warning: --val-fraction {opts.val_fraction} held out no document ({stats.documents} in all)")
-        tokenizer.save(tmp / TOKENIZER)
-        manifest = _manifest(opts, tokenizer, splits, stats, sha256_file(tmp / TOKENIZER))
+        files_written = tokenizer.save_files(tmp)
+        manifest = _manifest(opts, tokenizer, splits, stats, sha256_file(tmp / TOKENIZER), files_written)
         atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
         leftovers.release(tmp)
     seconds = time.perf_counter() - start
@@ -289,13 +323,14 @@ def _prepare(opts: PrepareOptions, log: Callable[[str], None]) -> PrepareResult:
         log(f"warning: {stats.decode_errors} invalid UTF-8 sequence(s) or unpaired surrogate escape(s) replaced by "
             "U+FFFD (use --strict to fail)")
     if stats.bad_lines:
-        log(f"warning: {stats.bad_lines} JSON Lines record(s) skipped (use --strict to fail)")
+        log(f"warning: {stats.bad_lines} record(s) skipped (use --strict to fail)")
     for message in stats.warnings[:5]:
         log(f"  {message}")
     return PrepareResult(out, manifest, seconds, stats)
 
 
-def _manifest(opts, tokenizer: Tokenizer, splits, stats: InputStats, tokenizer_sha: str) -> dict[str, Any]:
+def _manifest(opts, tokenizer: Tokenizer, splits, stats: InputStats, tokenizer_sha: str,
+              tokenizer_files: list[str]) -> dict[str, Any]:
     from zaya import __version__
 
     s = tokenizer.special
@@ -309,11 +344,13 @@ def _manifest(opts, tokenizer: Tokenizer, splits, stats: InputStats, tokenizer_s
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "zaya_version": __version__,
         "dtype": tokenizer.dtype.name,
+        "loss_mask": opts.format == "chat",
         "tokenizer": {
             "file": TOKENIZER, "file_sha256": tokenizer_sha, "sha256": tokenizer.sha256, "source": tokenizer.source,
             "vocab_size": tokenizer.max_id + 1, "padded_vocab_size": tokenizer.padded_vocab_size,
             "pad_id": s.pad, "bos_id": s.bos, "eos_id": s.eos,
             "pad_token": names.get(s.pad), "bos_token": names.get(s.bos), "eos_token": names.get(s.eos),
+            "prefix_ids": tokenizer.prefix_ids, "files": tokenizer_files,
         },
         "splits": splits,
         "inputs": [str(i) for i in opts.inputs],

