@@ -349,7 +349,7 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
     opts = PrepareOptions(
         inputs=args.input, out=args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         tokenizer_sample_mb=args.tokenizer_sample_mb, bundle_mb=args.bundle_mb, val_fraction=args.val_fraction,
-        seed=args.seed, workers=args.workers, strict=args.strict, text_field=args.text_field,
+        seed=args.seed, workers=args.workers, strict=args.strict, text_field=args.text_field, format=args.format,
         eos_token=args.eos_token, bos_token=args.bos_token, pad_token=args.pad_token, force=args.force)
     log = (lambda message: print(message, file=sys.stderr))
     result = prepare(opts, log=log)
@@ -594,12 +594,16 @@ def build_parser() -> argparse.ArgumentParser:
     data = p.add_subparsers(dest="data_verb", required=True, metavar="DATA_VERB")
     p = data.add_parser("prepare", help="tokenize text into bundles + tokenizer.json + manifest.json",
                         description="Inputs: .txt/.md files (one document each), .jsonl (one document per line), "
-                                    "directories of them, .gz of any, or builtin:shakespeare.")
+                                    "Parquet and Arrow files and datasets' save_to_disk folders (one per row), "
+                                    "directories of them, .gz of the text ones, or builtin:shakespeare. --format "
+                                    "chat reads conversations ({\"messages\": [...]}) with loss masks.")
     p.add_argument("--input", required=True, nargs="+", action="extend", metavar="PATH",
                    help="files, directories, or builtin:shakespeare (repeatable)")
     p.add_argument("--out", required=True, metavar="DIR", help="dataset directory to create")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--tokenizer", metavar="FILE", help="use this tokenizer.json (any Hugging Face tokenizer)")
+    group.add_argument("--tokenizer", metavar="PATH", help="use this tokenizer: a Hugging Face model directory or a "
+                                                            "tokenizer.json (its special tokens from the "
+                                                            "tokenizer_config.json beside it)")
     group.add_argument("--vocab-size", type=int, default=8192, metavar="N",
                        help="train a byte-level BPE of N entries, a multiple of 64 (default 8192)")
     p.add_argument("--tokenizer-sample-mb", type=float, default=512.0, metavar="MB",
@@ -611,7 +615,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizer processes (default 1)")
     p.add_argument("--strict", action="store_true", help="fail on invalid UTF-8 or bad JSON lines instead of "
                                                           "replacing/skipping and counting them")
-    p.add_argument("--text-field", default="text", metavar="NAME", help="JSON Lines field with the text")
+    p.add_argument("--text-field", "--text-column", dest="text_field", default="text", metavar="NAME",
+                   help="the JSON Lines field or Parquet / Arrow column with the text (default: text)")
+    p.add_argument("--format", choices=("text", "chat"), default="text",
+                   help="text: documents; chat: records with 'messages', rendered with the tokenizer's chat "
+                        "template (or zaya's default), only the assistant's tokens trained on (default: text)")
     p.add_argument("--eos-token", metavar="TOKEN", help="end-of-document token of --tokenizer (found by name "
                                                          "otherwise)")
     p.add_argument("--bos-token", metavar="TOKEN", help="beginning-of-document token of --tokenizer")
