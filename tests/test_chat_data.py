@@ -257,3 +257,25 @@ def test_masked_tokens_contribute_no_gradient(tmp_path):
     assert all(same)
     changed = [torch.equal(a, b) for a, b in zip(gradients(40, 1), gradients(41, 1))]
     assert not all(changed)
+
+
+def test_a_micro_batch_without_targets_adds_nothing_and_no_nan():
+    """A rank's micro-batch whose labels are all masked (a long user turn) has a NaN mean loss; the step's
+    objective for it is a zero that still runs a backward (the gradient reduction waits on every rank's)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from model_helpers import tiny_model
+    from zaya.train.step import weighted_objective
+
+    model = tiny_model()
+    x = torch.arange(3, 19).reshape(1, 16)
+    labels = torch.full_like(x, -100)
+    out = model(x, labels=labels)
+    assert torch.isnan(out.loss)
+    targets, objective = weighted_objective(out, SimpleNamespace(num_targets=0), labels, 16, 1,
+                                            SimpleNamespace(cp_size=1, grad_size=1))
+    objective.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert targets == 0 and objective.item() == 0 and grads and all(torch.all(g == 0) for g in grads)

@@ -93,7 +93,8 @@ class TrainStep:
                                            document_mask=self.config.data.document_mask)
                 targets, objective = weighted_objective(out, batch, labels, global_targets, len(batches), rt)
                 objective.backward()
-            totals.loss_sum += out.loss.detach().double() * targets
+            if not (isinstance(targets, int) and targets == 0):  # no targets (chat data masked): a NaN mean
+                totals.loss_sum += out.loss.detach().double() * targets
             totals.targets += targets
             totals.expert_counts += out.tokens_per_expert.detach()
         # The flags are read before the clip: a signal arriving during the collectives waits for the next step.
@@ -121,7 +122,8 @@ def weighted_objective(out, batch, labels: torch.Tensor, global_targets: int, mi
         # d(global mean)/d(this rank's mean): its share of the step's targets, times dp (the gradient reduction
         # averages over the ranks).
         targets = batch.num_targets
-        objective = out.loss / (global_targets / (targets * rt.grad_size))
+        objective = out.loss / (global_targets / (targets * rt.grad_size)) if targets else \
+            out.logits.sum() * 0.0  # every label masked (chat data): no loss, but a backward the reduction waits on
     else:
         # This rank's share of the sequence's targets, counted on the device (no host read).
         targets = (labels != -100).sum()
