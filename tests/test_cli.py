@@ -114,3 +114,17 @@ def test_train_refuses_an_unrelated_directory(tmp_path, capsys, micro_config):
     assert main(["train", "--config", str(micro_config(other)), "--max-steps", "1"]) == 2
     assert "precious" in capsys.readouterr().err
     assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_eval_keeps_to_the_models_context_and_generate_needs_a_prompt(capsys, micro_run, shakespeare_dataset):
+    """The micro run's model has a 64-token context: ``--seq-len`` past it is refused naming both numbers and the
+    fix, and the default is the context; its BPE puts nothing before a text, so an empty prompt is refused."""
+    base = ["eval", "--checkpoint", str(micro_run), "--data", str(shakespeare_dataset), "--batch-size", "2",
+            "--max-batches", "1", "--json"]
+    assert main([*base, "--seq-len", "65"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zaya: error: --seq-len 65 ") and "(64 tokens" in err and "--seq-len 64 or less" in err
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["seq_len"] == 64
+    assert main(["generate", "--checkpoint", str(micro_run), "--max-new-tokens", "2"]) == 2
+    assert "--prompt is empty" in capsys.readouterr().err

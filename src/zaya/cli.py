@@ -22,6 +22,10 @@ from zaya.core import errors
 TREE_METHODS = ("tree", "butterfly", "ring", "ring-partials")
 """``zaya.serve.tree.METHODS``, restated so that parsing the command line imports no torch (a test checks
 that the two agree)."""
+DEFAULT_EVAL_SEQ_LEN = 512
+"""``zaya eval --data``'s sequence length when not given, on a model whose context is longer."""
+INFERENCE_DTYPE_HELP = ("weights and compute (default: float32 on the CPU, bfloat16 on a GPU; the same for generate, "
+                        "serve and eval)")
 
 # Verbs that only read and write files (no training or model step): a ValueError there is about their input.
 _FILE_VERBS = {"info", "export", "convert", "plot", "data", "aegis", "chaos", "plan"}
@@ -161,15 +165,18 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace, need_tokenizer: bool, device=None):
-    """(model on --device (or ``device``), tokenizer or None, description): loading errors are input errors (exit
-    code 2)."""
+    """(model on --device (or ``device``) with its weights in --dtype (default ``default_inference_dtype``: the one
+    rule of generate, serve and eval), tokenizer or None, description): loading errors are input errors (exit code
+    2)."""
     from zaya.checkpoint.consolidate import describe, load_for_inference
     from zaya.data.tokenizer import Tokenizer
-    from zaya.core.device import resolve_device
+    from zaya.core.device import DTYPES, default_inference_dtype, resolve_device
 
     device = device if device is not None else resolve_device(args.device)
+    args.dtype = args.dtype or default_inference_dtype(device)
     try:
-        model, tokenizer_path, directory = load_for_inference(args.checkpoint, device=device)
+        model, tokenizer_path, directory = load_for_inference(args.checkpoint, device=device,
+                                                              dtype=DTYPES[args.dtype])
     except (ValueError, KeyError) as exc:
         if isinstance(exc, errors.ZayaError):
             raise
@@ -188,8 +195,6 @@ def _load(args: argparse.Namespace, need_tokenizer: bool, device=None):
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from zaya.core.device import autocast
-
     if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
         raise errors.ConfigError("--max-new-tokens and --temperature must be >= 0 and --top-p in (0, 1]")
     runtime = _tree_parallel_runtime(args) if args.tree_parallel is not None else None
@@ -206,12 +211,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             model, tokenizer, where = loaded
         device = next(model.parameters()).device
         eos = model.config.eos_token_id
-        prompt_ids = ([eos] if args.document_start else []) + tokenizer.encode(args.prompt)
+        prefix = tokenizer.prefix_ids  # what the tokenizer puts before a text, as serve, eval and transformers do
+        prompt_ids = prefix + tokenizer.encode(args.prompt)
         if not prompt_ids:
-            raise errors.ConfigError("--prompt is empty and --no-document-start was given: nothing to condition on")
+            raise errors.ConfigError(f"--prompt is empty and the tokenizer {tokenizer.source} puts nothing before "
+                                     "a text: give a --prompt to continue")
         options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                        top_p=args.top_p, seed=args.seed, eos_token_id=None if args.ignore_eos else eos)
-        with torch.no_grad(), autocast(device, args.dtype):
+        with torch.no_grad():
             prompt = torch.tensor([prompt_ids], device=device)
             if runtime is None:
                 from zaya.model.slots import SlotMemoryError
@@ -232,7 +239,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
             stop(runtime)
     if runtime is None or runtime.is_main:  # every rank holds the same tokens; one prints them
-        text = tokenizer.decode(out[0, 1 if args.document_start else 0:].tolist(), skip_special_tokens=True)
+        text = tokenizer.decode(out[0, len(prefix):].tolist(), skip_special_tokens=True)
         parallel = "" if runtime is None else f", KV cache sharded over {runtime.world_size} ranks"
         print(f"# {where} on {device}{parallel}", file=sys.stderr)
         print(text)
@@ -266,6 +273,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from zaya.eval.perplexity import evaluate_loss
 
     model, _, where = _load(args, need_tokenizer=False)
+    context = model.config.max_seq_len
+    if args.seq_len is None:
+        args.seq_len = min(context, DEFAULT_EVAL_SEQ_LEN)
+    elif args.seq_len > context:
+        raise errors.ConfigError(f"--seq-len {args.seq_len} is longer than the context of {where} ({context} tokens, "
+                                 f"its max_seq_len): positions past it were never trained; pass --seq-len {context} "
+                                 "or less")
     dataset = PreparedDataset(args.data)
     check_vocabulary(dataset, model.config.vocab_size, model.config.eos_token_id)
     result = evaluate_loss(model, dataset, seq_len=args.seq_len, batch_size=args.batch_size,
@@ -285,7 +299,6 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     """``zaya eval --tasks``: lm-evaluation-harness tasks on the serving engine (zaya.eval.harness)."""
     import torch
 
-    from zaya.core.device import autocast
     from zaya.eval.harness import evaluate_tasks
 
     from zaya.model.slots import SlotMemoryError
@@ -296,7 +309,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     device = next(model.parameters()).device
     context = context_length(args.max_model_len, model.config.max_seq_len, cap=None)
     try:  # the engine's slots hold the model's max_seq_len unless told: checked before they are allocated
-        with torch.no_grad(), autocast(device, args.dtype):
+        with torch.no_grad():
             out = evaluate_tasks(model, tokenizer, tasks, include_path=args.include_path, limit=args.limit,
                                  num_fewshot=args.num_fewshot, capacity=context)
     except SlotMemoryError as exc:
@@ -330,10 +343,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise errors.ConfigError(f"zaya serve: {exc} (docs/serving.md, \"The server's limits\")") from None
     model, tokenizer, where = _load(args, need_tokenizer=True)
-    if args.dtype == "bfloat16":
-        import torch
-
-        model = model.to(torch.bfloat16)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     context = context_length(args.max_model_len, model.config.max_seq_len)
     print(f"# serving {where} as {name!r} on http://{args.host}:{args.port} ({args.slots} slots of "
@@ -524,10 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, metavar="P")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: the one beside the checkpoint)")
-    p.add_argument("--no-document-start", dest="document_start", action="store_false",
-                   help="do not put an eos before the prompt (by default the prompt starts a new document)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past an end of document")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"), help=INFERENCE_DTYPE_HELP)
     p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--tree-parallel", type=int, default=None, metavar="N",
                    help="shard the prompt's KV cache over N ranks and decode with tree attention (launch N "
@@ -550,11 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--tasks: tokens each of the engine's slots holds (default: the model's max_seq_len); the "
                         "slots' KV cache is checked against the memory available")
     p.add_argument("--split", default="val", help="split to evaluate (default val)")
-    p.add_argument("--seq-len", type=int, default=512, metavar="N")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N",
+                   help=f"--data: tokens per sequence, at most the model's context (default: the model's context, at "
+                        f"most {DEFAULT_EVAL_SEQ_LEN})")
     p.add_argument("--batch-size", type=int, default=8, metavar="N")
     p.add_argument("--max-batches", type=int, default=None, metavar="N", help="default: the whole split")
     p.add_argument("--tokenizer", metavar="FILE", help="unused by eval except to check it loads")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"), help=INFERENCE_DTYPE_HELP)
     p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(func=_cmd_eval)
@@ -575,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
                    help="prompt tokens per prefill chunk between decode steps (default 512)")
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: the one beside the checkpoint)")
-    p.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"), help="weights (default float32)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"), help=INFERENCE_DTYPE_HELP)
     p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /health "
                                                     "(default: $ZAYA_API_KEY; none: open to whoever can connect)")
