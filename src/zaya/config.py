@@ -539,7 +539,8 @@ class DataConfig:
     """Give the model position ids that restart at every document start."""
     document_mask: bool = False
     """Also keep attention inside each packed document (needs document_positions; with or without context
-    parallelism). Off: a token attends to the earlier documents of its sequence too."""
+    parallelism). Off: a token attends to the earlier documents of its sequence too. Chat data (datasets with loss
+    masks) needs both on."""
     prefetch: int = resumable(4)
     """Batches computed ahead by the loader's background thread (0: none)."""
     val_batches: int = ranged(8, 1)
