@@ -47,6 +47,14 @@ ram_tier = false
 """
 
 
+@pytest.fixture(autouse=True)
+def plots(monkeypatch) -> list:
+    """The runs' plot calls, recorded instead of drawn (matplotlib takes seconds per run here)."""
+    calls: list = []
+    monkeypatch.setattr("zaya.train.plot.plot_run", lambda run_dir: calls.append(run_dir) or [])
+    return calls
+
+
 def write_config(tmp_path: Path, dataset: Path, extra: str = "", name: str = "init.toml") -> Path:
     path = tmp_path / name
     path.write_text(RUN_CONFIG.format(dataset=dataset, run_dir=tmp_path / "run") + extra)
@@ -149,7 +157,7 @@ def test_data_of_another_tokenizer_is_refused(tmp_path, hf_source, shakespeare_d
         train(load_config(write_config(tmp_path, shakespeare_dataset), [f"train.init_from={json.dumps(str(source))}"]))
 
 
-def test_an_interrupted_run_resumes_and_a_finished_one_exits_untouched(tmp_path, capsys, export_source,
+def test_an_interrupted_run_resumes_and_a_finished_one_exits_untouched(tmp_path, capsys, plots, export_source,
                                                                        shakespeare_dataset):
     """A run with checkpoints resumes from them (init_from ignored); one whose final step is checkpointed says so
     and exits 0 without writing a byte of metrics.jsonl."""
@@ -158,10 +166,11 @@ def test_an_interrupted_run_resumes_and_a_finished_one_exits_untouched(tmp_path,
     assert main(args) == 0
     metrics = tmp_path / "run" / "metrics.jsonl"
     before = metrics.read_bytes()
+    assert len(plots) == 1
     capsys.readouterr()
     assert main(args) == 0
     out = capsys.readouterr()
-    assert metrics.read_bytes() == before
+    assert metrics.read_bytes() == before and len(plots) == 1
     said = out.out + out.err
     assert f"{tmp_path / 'run'} has finished" in said and "--max-steps" in said and "--init-from" in said
     assert main(args + ["--max-steps", "2"]) == 0
