@@ -66,7 +66,8 @@ def build_data(config: Config, rt: Runtime, log: Callable[[str], None]):
     datasets = resolve_datasets(config, rt, log)
     dc = config.data
     loader = DataLoader(datasets, stages_of(config), rank=rt.dp_rank, world_size=rt.dp_size, seed=dc.seed,
-                        document_positions=dc.document_positions, prefetch=dc.prefetch,
+                        document_positions=dc.document_positions, document_mask=dc.document_mask,
+                        prefetch=dc.prefetch,
                         pin_memory=rt.device.type == "cuda")
     return datasets, loader
 
