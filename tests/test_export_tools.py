@@ -72,20 +72,17 @@ def test_the_export_carries_the_tokenizer_and_generation_files(exported):
     assert json.loads((exported / "tokenizer_config.json").read_text())["add_bos_token"] is False  # prefix_ids: []
 
 
-def test_autotokenizer_gives_zayas_ids(exported):
-    """1,000 generated strings (unicode with astral characters, whitespace runs, newlines, text spelling special
-    tokens, the empty string): with and without the prefix, special-token text as text or as the tokens."""
-    assert _compare_with_transformers(exported, special_strings(1000)) == {"text": 0, "specials": 0, "decode": 0}
-
-
-@pytest.mark.slow
-def test_autotokenizer_gives_zayas_ids_on_10000_strings(exported):
-    """The figure in benchmarks/results.md: 10,000 generated strings, no mismatch."""
+@pytest.mark.parametrize("n, seed", [(1000, 0), pytest.param(10_000, 1, marks=pytest.mark.slow)],
+                         ids=["1000", "10000"])
+def test_autotokenizer_gives_zayas_ids(exported, n, seed):
+    """Generated strings (unicode with astral characters, whitespace runs, newlines, text spelling special tokens,
+    the empty string): with and without the prefix, special-token text as text or as the tokens. The 10,000-string
+    run (slow) is the figure in benchmarks/results.md."""
     import time
 
     start = time.perf_counter()
-    mismatches = _compare_with_transformers(exported, special_strings(10_000, seed=1))
-    print(f"\n10,000 strings on an export: mismatches {mismatches} ({time.perf_counter() - start:.1f} s)")
+    mismatches = _compare_with_transformers(exported, special_strings(n, seed))
+    print(f"\n{n:,} strings on an export: mismatches {mismatches} ({time.perf_counter() - start:.1f} s)")
     assert mismatches == {"text": 0, "specials": 0, "decode": 0}
 
 
