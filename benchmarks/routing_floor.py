@@ -38,7 +38,7 @@ def main() -> None:
     e = model.config.num_experts
     worst = []
     with torch.no_grad():
-        for x, _ in validation_batches(PreparedDataset(args.dataset), args.seq_len, args.batch_size,
+        for x, _, _ in validation_batches(PreparedDataset(args.dataset), args.seq_len, args.batch_size,
                                        max_batches=args.batches, split="train"):
             counts = model(x).tokens_per_expert[:, :e].double()
             worst.append(float((counts.max(1).values / counts.mean(1)).max()))

@@ -225,8 +225,34 @@ def test_validation_batches_ignore_masked_labels(tmp_path):
     manifest = json.loads((tmp_path / "v" / "manifest.json").read_text())
     manifest["splits"]["val"] = manifest["splits"].pop("train")
     (tmp_path / "v" / "manifest.json").write_text(json.dumps(manifest))
-    x, y = next(validation_batches(str(tmp_path / "v"), 12, 1))
+    x, y, pos = next(validation_batches(str(tmp_path / "v"), 12, 1))
     assert x[0].tolist() == list(range(3, 15)) and y[0].tolist() == [-100] * 9 + [13, 14, 15]
+    assert pos[0].tolist() == list(range(12))  # masked data carries document positions, as in training
+
+
+def test_evaluation_of_masked_data_counts_targets_only_and_keeps_documents_apart(tmp_path):
+    """zaya eval's and validation's loss on chat data: the mean over target tokens of the document-masked model's
+    loss, as training computes it (a batch with no target adds nothing)."""
+    import torch
+
+    from model_helpers import tiny_model
+    from zaya.data.loader import validation_batches
+    from zaya.eval.perplexity import evaluate_loss
+
+    docs = [np.arange(3, 13), np.arange(13, 33), np.arange(33, 41)]
+    masks = [np.zeros(10), np.r_[np.zeros(12), np.ones(8)], np.r_[np.ones(4), np.zeros(4)]]
+    ds = write_dataset(tmp_path / "v", {"val": [docs]}, masks={"val": [masks]})
+    model = tiny_model().eval()
+    result = evaluate_loss(model, ds, seq_len=8, batch_size=1, dtype="float32")
+    loss_sum = count = 0.0
+    with torch.no_grad():
+        for x, y, pos in validation_batches(ds, 8, 1):
+            logits = model(x, position_ids=pos, document_mask=True).logits
+            keep = y != -100
+            loss_sum += torch.nn.functional.cross_entropy(logits[keep].double(), y[keep], reduction="sum").item()
+            count += int(keep.sum())
+    assert result["tokens"] == count and 0 < count < result["batches"] * 8  # masked labels are not counted
+    assert result["loss"] == pytest.approx(loss_sum / count, rel=1e-5)  # fp32 logits summed in float64
 
 
 def test_masked_tokens_contribute_no_gradient(tmp_path):

@@ -386,9 +386,9 @@ def test_validation_batches_in_order(datasets):
     ref = split_windows(ds, "val", L)
     rounds = len(ref) // bs
     got = [tuple(x.tolist()) + (int(y[-1]),) for x, y in
-           ((x_row, y_row) for xb, yb in validation_batches(ds, L, bs) for x_row, y_row in zip(xb, yb))]
+           ((x_row, y_row) for xb, yb, _ in validation_batches(ds, L, bs) for x_row, y_row in zip(xb, yb))]
     assert got == ref[:rounds * bs]
-    for xb, yb in validation_batches(ds, L, bs, max_batches=2):
+    for xb, yb, _ in validation_batches(ds, L, bs, max_batches=2):
         assert xb.shape == (bs, L) and yb[:, :-1].equal(xb[:, 1:])
     assert len(list(validation_batches(ds, L, bs, max_batches=2))) == 2
 
@@ -402,7 +402,7 @@ def test_validation_batches_equal_counts_per_rank(datasets, world):
     counts = {len(p) for p in per_rank}
     assert counts == {len(ref) // (bs * world)}  # equal, and the last partial round dropped
     interleaved = [tuple(x.tolist()) + (int(y[-1]),)
-                   for k in range(counts.pop()) for r in range(world) for x, y in zip(*per_rank[r][k])]
+                   for k in range(counts.pop()) for r in range(world) for x, y in zip(*per_rank[r][k][:2])]
     assert interleaved == ref[:len(interleaved)]
     with pytest.raises(DatasetError, match="fewer than one batch"):
         list(validation_batches(ds, L, len(ref), world_size=2))

@@ -480,8 +480,12 @@ def _ignore_masked(labels: np.ndarray, keep: np.ndarray) -> np.ndarray:
 
 
 def validation_batches(dataset: PreparedDataset | str | Path, seq_len: int, batch_size: int, rank: int = 0,
-                       world_size: int = 1, max_batches: int | None = None, split: str = "val"):
-    """The validation split in order (no shuffle), as input/label tensors; rank ``r`` takes every W-th batch.
+                       world_size: int = 1, max_batches: int | None = None, split: str = "val",
+                       document_positions: bool = False):
+    """The validation split in order (no shuffle), as (input ids, labels, position ids or None) tensors; rank ``r``
+    takes every W-th batch. Labels of tokens a loss mask excludes are ignored (-100). Position ids restart at every
+    document start when ``document_positions`` is set or the split has loss masks (whose packed examples must not
+    see each other, as in training).
 
     Every rank yields the same number of batches (the last, partial round is dropped) so collective averages line up.
     """
@@ -495,13 +499,16 @@ def validation_batches(dataset: PreparedDataset | str | Path, seq_len: int, batc
                            f"{seq_len} tokens, fewer than one batch of {batch_size} per rank x {world_size} ranks")
     if max_batches is not None:
         rounds = min(rounds, max_batches)
+    with_positions = document_positions or source.masked
     for r in range(rounds):
         first = (r * world_size + rank) * batch_size
         rows = np.empty((batch_size, seq_len + 1), dtype=np.int64)
         keep = np.empty((batch_size, seq_len + 1), dtype=np.uint8) if source.masked else None
-        source.read(np.arange(first, first + batch_size), rows, None, keep)
+        positions = np.empty((batch_size, seq_len), dtype=np.int64) if with_positions else None
+        source.read(np.arange(first, first + batch_size), rows, positions, keep)
         labels = rows[:, 1:] if keep is None else _ignore_masked(rows[:, 1:], keep[:, 1:])
-        yield torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(np.ascontiguousarray(labels))
+        yield (torch.from_numpy(rows[:, :-1].copy()), torch.from_numpy(np.ascontiguousarray(labels)),
+               None if positions is None else torch.from_numpy(positions))
 
 
 def check_vocabulary(dataset: PreparedDataset, model_vocab_size: int, model_eos_id: int | None = None) -> None:

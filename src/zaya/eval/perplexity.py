@@ -15,12 +15,17 @@ from typing import Any
 import torch
 
 from zaya.core.device import autocast
+from zaya.model.loss import IGNORE_INDEX
 
 
 def loss_totals(model: torch.nn.Module, dataset, seq_len: int, batch_size: int, max_batches: int | None = None,
-                split: str = "val", dtype: str = "bfloat16", runtime=None) -> tuple[torch.Tensor, int]:
+                split: str = "val", dtype: str = "bfloat16", runtime=None, document_positions: bool = False,
+                document_mask: bool = False) -> tuple[torch.Tensor, int]:
     """([loss sum, target count] as a float64 device tensor, batches) over this rank's share of the split (every
-    dp-th batch under ``runtime``), not reduced over ranks. Runs in eval mode without gradients."""
+    dp-th batch under ``runtime``), not reduced over ranks. Runs in eval mode without gradients. Targets a loss mask
+    excludes are not counted; position ids restart per document with ``document_positions`` (training's
+    ``data.document_positions``), and attention stays inside a document with ``document_mask`` or on data with
+    loss masks (chat data is trained that way)."""
     from zaya.data.loader import validation_batches
 
     device = runtime.device if runtime is not None else next(model.parameters()).device
@@ -31,12 +36,16 @@ def loss_totals(model: torch.nn.Module, dataset, seq_len: int, batch_size: int, 
     model.eval()
     try:
         with torch.no_grad(), autocast(device, dtype):
-            for x, y in validation_batches(dataset, seq_len, batch_size, rank, world, max_batches, split):
-                x, y = (runtime.to_device(x), runtime.to_device(y)) if runtime is not None else (x.to(device),
-                                                                                                y.to(device))
-                out = model(x, labels=y)
-                totals[0] += out.loss.double() * y.numel()
-                totals[1] += y.numel()
+            for x, y, pos in validation_batches(dataset, seq_len, batch_size, rank, world, max_batches, split,
+                                                document_positions or document_mask):
+                move = runtime.to_device if runtime is not None else (lambda t: t.to(device))
+                x, y = move(x), move(y)
+                masked = pos is not None and (document_mask or not document_positions)
+                out = model(x, labels=y, position_ids=None if pos is None else move(pos), document_mask=masked)
+                n = (y != IGNORE_INDEX).sum().double()
+                # A batch whose every label is masked has a NaN mean loss and adds nothing (no host read to skip it).
+                totals[0] += torch.where(n > 0, out.loss.double() * n, torch.zeros_like(n))
+                totals[1] += n
                 batches += 1
     finally:
         model.train(was_training)
@@ -44,11 +53,13 @@ def loss_totals(model: torch.nn.Module, dataset, seq_len: int, batch_size: int, 
 
 
 def evaluate_loss(model: torch.nn.Module, dataset, seq_len: int, batch_size: int = 8, max_batches: int | None = None,
-                  split: str = "val", dtype: str = "bfloat16", runtime=None) -> dict[str, Any]:
+                  split: str = "val", dtype: str = "bfloat16", runtime=None, document_positions: bool = False,
+                  document_mask: bool = False) -> dict[str, Any]:
     """Token-weighted mean loss over the split's packed sequences, in order (no shuffle): one process, or every
     data-parallel rank of ``runtime`` its share (collective: every rank calls it)."""
     start = time.perf_counter()
-    totals, batches = loss_totals(model, dataset, seq_len, batch_size, max_batches, split, dtype, runtime)
+    totals, batches = loss_totals(model, dataset, seq_len, batch_size, max_batches, split, dtype, runtime,
+                                  document_positions, document_mask)
     if runtime is not None:
         runtime.all_reduce(totals, over="dp")
     loss_sum, count = runtime.read(totals) if runtime is not None else totals.tolist()

@@ -83,6 +83,6 @@ def probe_sequence(dataset, seq_len: int, device: torch.device) -> torch.Tensor 
     for split in ("val", "train"):
         if split not in dataset.splits or dataset.split(split).num_tokens <= seq_len:
             continue
-        for x, _ in validation_batches(dataset, seq_len, 1, 0, 1, 1, split):
+        for x, _, _ in validation_batches(dataset, seq_len, 1, 0, 1, 1, split):
             return x.to(device)
     return None

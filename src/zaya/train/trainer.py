@@ -437,7 +437,8 @@ class Trainer:
                 continue
             with self.full_sequences():  # under cp every rank of a cp group scores its dp rank's share in full
                 part, _ = loss_totals(self.parallel.wrapped, dataset, stage.seq_len, stage.micro_batch_size,
-                                      dc.val_batches, "val", self.config.train.dtype, rt)
+                                      dc.val_batches, "val", self.config.train.dtype, rt, dc.document_positions,
+                                      dc.document_mask)
             total += part
         loss_sum, count = rt.read(rt.all_reduce(total, over="dp"))
         self.val_loss = None if count == 0 else loss_sum / count
