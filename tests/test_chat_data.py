@@ -305,3 +305,11 @@ def test_a_micro_batch_without_targets_adds_nothing_and_no_nan():
     objective.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert targets == 0 and objective.item() == 0 and grads and all(torch.all(g == 0) for g in grads)
+    # Under context parallelism the count is a device tensor: the shard's objective is a zero with a zero gradient.
+    model.zero_grad()
+    out = model(x, labels=labels)
+    targets, objective = weighted_objective(out, SimpleNamespace(num_targets=0), labels, 16, 1,
+                                            SimpleNamespace(cp_size=2, grad_size=2))
+    objective.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert int(targets) == 0 and objective.item() == 0 and grads and all(torch.all(g == 0) for g in grads)

@@ -63,8 +63,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         logits, safe, valid, count = ctx.saved_tensors
         n, v = logits.shape
-        # Per-row factor g / n for counted rows, 0 for ignored ones.
-        scale = valid.float() * (grad.float() / count)
+        # Per-row factor g / n for counted rows, 0 for ignored ones (every row, when none is counted).
+        scale = valid.float() * (grad.float() / count.clamp(min=1))
         out = torch.empty_like(logits)
         ranges, (x, p) = _chunks(n, v, logits.device)
         for s, e in ranges:

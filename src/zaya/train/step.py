@@ -125,9 +125,11 @@ def weighted_objective(out, batch, labels: torch.Tensor, global_targets: int, mi
         objective = out.loss / (global_targets / (targets * rt.grad_size)) if targets else \
             out.logits.sum() * 0.0  # every label masked (chat data): no loss, but a backward the reduction waits on
     else:
-        # This rank's share of the sequence's targets, counted on the device (no host read).
+        # This rank's share of the sequence's targets, counted on the device (no host read); a shard without
+        # targets (chat data) has a NaN mean loss, replaced by a zero whose backward is zero.
         targets = (labels != -100).sum()
-        objective = out.loss * (targets * rt.grad_size / global_targets)
+        loss = torch.where(targets > 0, out.loss, torch.zeros_like(out.loss))
+        objective = loss * (targets * rt.grad_size / global_targets)
     if out.aux_loss is not None:  # a per-micro-batch mean, averaged like the gradients
         objective = objective + out.aux_loss / (micro_batches * cp)
     return targets, objective
