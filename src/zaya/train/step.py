@@ -93,7 +93,10 @@ class TrainStep:
                                            document_mask=self.config.data.document_mask)
                 targets, objective = weighted_objective(out, batch, labels, global_targets, len(batches), rt)
                 objective.backward()
-            if not (isinstance(targets, int) and targets == 0):  # no targets (chat data masked): a NaN mean
+            # No targets (chat data, all masked): a NaN mean loss that adds nothing.
+            if isinstance(targets, torch.Tensor):  # counted on the device under context parallelism
+                totals.loss_sum += torch.where(targets > 0, out.loss.detach().double() * targets, 0.0)
+            elif targets:
                 totals.loss_sum += out.loss.detach().double() * targets
             totals.targets += targets
             totals.expert_counts += out.tokens_per_expert.detach()
