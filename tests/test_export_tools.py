@@ -3,9 +3,8 @@
 ``zaya serve``'s /v1/completions give, and lm-eval's ``hf`` model scores a request as ``zaya eval``'s does.
 
 The model is the serving tests' tiny one on the 512-entry Shakespeare tokenizer, exported by ``zaya export`` (fp32,
-the default dtype on a CPU). Its routers' balancing biases stay at their init: transformers' ``from_pretrained``
-sets the skip class's bias back to -1 after loading (its ``_init_weights``), so a model whose bias moved would route
-differently there (tests/test_hf.py copies the biases back by hand for the same reason).
+the default dtype on a CPU). transformers' ``from_pretrained`` sets the skip class's balancing bias to -1 after
+loading (its ``_init_weights``); zaya never moves that bias and this model has the default -1 (docs/formats.md).
 """
 
 from __future__ import annotations
