@@ -93,15 +93,10 @@ def _open(path: str, log: Callable[[str], None]) -> InitSource:
         tensors = [(str(weights), name, name) for name in _header(weights, shapes)]
         names, source = [t[2] for t in tensors], str(weights)
     else:
-        from zaya.model.hf import (EXTRAS_FILE, GENERATION_CONFIG, INDEX_FILE, check_index, hf_model_config,
-                                   hf_to_zaya_name, hf_weight_files)
+        from zaya.model.hf import EXTRAS_FILE, checked_weight_files, hf_model_config, hf_to_zaya_name
 
-        listed = verify_checksums(directory)
-        files = hf_weight_files(directory)
+        files = checked_weight_files(directory)
         extras = directory / EXTRAS_FILE
-        check_listed(directory, listed, [directory / "config.json", *files, *(
-            f for f in (extras, directory / GENERATION_CONFIG, directory / INDEX_FILE) if f.is_file())])
-        check_index(directory, files)
         config, _ = hf_model_config(directory)
         for file in files:
             for name in _header(file, shapes):

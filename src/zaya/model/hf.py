@@ -329,6 +329,17 @@ def check_index(directory: Path, files: list[Path]) -> None:
                                   f"{DAMAGED}")
 
 
+def checked_weight_files(directory: Path) -> list[Path]:
+    """``hf_weight_files`` of a directory whose checksum manifest (when it has one) lists and matches every file a
+    load reads, and whose index (when sharded) matches its shards' headers."""
+    listed = verify_checksums(directory)
+    files = hf_weight_files(directory)
+    optional = (directory / EXTRAS_FILE, directory / GENERATION_CONFIG, directory / INDEX_FILE)
+    check_listed(directory, listed, [directory / "config.json", *files, *(f for f in optional if f.is_file())])
+    check_index(directory, files)
+    return files
+
+
 def hf_model_config(directory: Path) -> tuple[ModelConfig, dict[str, Any]]:
     """(ModelConfig, config.json) of a HF zaya directory, from config.json and the side file's header alone:
     config.json owns every field it expresses, ``zaya_extras.safetensors`` supplies zaya's own options."""
@@ -356,15 +367,9 @@ def load_hf(directory: str | Path, dtype: torch.dtype | None = None) -> ZayaForC
     """Load a Hugging Face ``zaya`` checkpoint directory into a ZayaForCausalLM, checking its checksum manifest
     (when it has one) and its index against its shards first."""
     directory = Path(directory)
-    listed = verify_checksums(directory)
-    config_path = directory / "config.json"
-    files = hf_weight_files(directory)
+    files = checked_weight_files(directory)
     extras_path = directory / EXTRAS_FILE
     generation = directory / GENERATION_CONFIG
-    index = directory / INDEX_FILE
-    check_listed(directory, listed, [config_path, *files,
-                                     *(f for f in (extras_path, generation, index) if f.is_file())])
-    check_index(directory, files)
     cfg, hf_cfg = hf_model_config(directory)
     extras = read_safetensors([extras_path]) if extras_path.is_file() else {}
     source = str(files[0].parent / (files[0].name if len(files) == 1 else "model-*.safetensors"))
