@@ -4,6 +4,7 @@
 #   make setup TORCH_SPEC="..."     choose the torch to install when .venv has none (GPU builds)
 #   make train [CONFIG=...]         train the tiny model on the built-in corpus (CPU)
 #   make test [PYTEST_ARGS=...]     run the fast test suite
+#   make finetune                   the worked example of docs/finetuning.md on runs/tiny (trains it first if missing)
 #   make bench                      run the benchmarks (moe_block, data_loader, muon, checkpoint, router_ablation)
 
 PYTHON      ?= python3
@@ -15,7 +16,7 @@ PYTEST_ARGS ?=
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.zaya-installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test bench clean finetune
 
 setup: $(STAMP)
 
@@ -37,6 +38,12 @@ train: setup
 
 test: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The worked example (docs/finetuning.md): export runs/tiny, continue pre-training, fine-tune on chat data, measure,
+# serve. `make train` first when runs/tiny holds no checkpoint.
+finetune: setup
+	@test -d runs/tiny/checkpoints || $(MAKE) train
+	$(PY) examples/finetune.py
 
 bench: setup
 	$(PY) benchmarks/moe_block.py
