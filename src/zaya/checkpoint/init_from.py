@@ -234,16 +234,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def check_tokenizer(source: InitSource, datasets: dict) -> Path | None:
+def check_tokenizer(source: InitSource, datasets: dict, log: Callable[[str], None]) -> Path | None:
     """The directory whose tokenizer files the run keeps: the source's, after checking that every dataset was
     prepared with that tokenizer (``Tokenizer.sha256``) and that its ids fit the model; None when the source has no
     tokenizer (the datasets' is kept)."""
     from zaya.data.tokenizer import Tokenizer
 
     if source.tokenizer is None:
+        log(f"train.init_from {source.path} has no tokenizer.json: the run keeps its data's tokenizer")
         return None
     tokenizer = Tokenizer.from_file(source.tokenizer)
-    tokenizer.check_model(source.config.vocab_size, source.config.eos_token_id, source.path)
+    warning = tokenizer.check_model(source.config.vocab_size, source.config.eos_token_id, source.path)
+    if warning:
+        log(f"warning: {warning}")
     for name, dataset in datasets.items():
         theirs = dataset.manifest["tokenizer"].get("sha256") or dataset.tokenizer().sha256
         if theirs != tokenizer.sha256:

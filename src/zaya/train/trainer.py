@@ -138,7 +138,7 @@ class Trainer:
             built += [lock] if lock is not None else []
             datasets, loader = build_data(config, runtime, log)
             built.append(loader)
-            _keep_tokenizer(runtime, run_dir, datasets, init)
+            _keep_tokenizer(runtime, run_dir, datasets, init, log)
             parallel = build_model(config, runtime, weights_later=init is not None)
             install_sequence_seam(parallel.model, config, runtime)
             optimizers = build_optimizers_for(config, parallel)
@@ -485,7 +485,7 @@ class Trainer:
             self.run_lock.release()
 
 
-def _keep_tokenizer(rt: Runtime, run_dir: Path, datasets: dict, init) -> None:
+def _keep_tokenizer(rt: Runtime, run_dir: Path, datasets: dict, init, log) -> None:
     """Rank 0 copies the run's tokenizer into the run directory (collective: a refusal fails every rank): the
     source's files under ``train.init_from`` (``check_tokenizer``: the data must have been prepared with it),
     else the data's tokenizer.json."""
@@ -496,7 +496,7 @@ def _keep_tokenizer(rt: Runtime, run_dir: Path, datasets: dict, init) -> None:
             if init is not None:
                 from zaya.checkpoint.init_from import check_tokenizer
 
-                source = check_tokenizer(init, datasets)
+                source = check_tokenizer(init, datasets, log)
             with writing(run_dir, "copying the tokenizer into the run directory", RUN_DIR_ELSEWHERE):
                 if source is not None:
                     from zaya.data.tokenizer import copy_tokenizer_files
