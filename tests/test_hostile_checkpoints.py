@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 import zaya
 from conftest import MICRO_RUN_STEPS as STEPS
+from dist_helpers import run_ranks
 from zaya.checkpoint.commit import FileRecord, checksum_file, read_commit, write_commit
 from zaya.checkpoint.consolidate import load_for_inference
 from zaya.checkpoint.export import export
@@ -540,7 +541,7 @@ def test_a_fifo_where_a_file_belongs_never_blocks_a_load(tmp_path, capsys, run, 
 def in_child(fn, timeout: float = 30.0):
     """Run ``fn()`` in a forked child: ("ok", its result's repr) or ("error", message), ("timeout", seconds) when it
     runs past ``timeout`` (a hash that takes 2**90 steps never returns to the interpreter), ("crash", signal). For
-    pure-Python work only: torch's thread pools do not survive a fork (``loaded_in_subprocess`` for a load)."""
+    pure-Python work only: torch's thread pools do not survive a fork (``loaded_in_fresh_process`` for a load)."""
     import select
     import time
 
@@ -761,18 +762,17 @@ DATA_FILES = {  # kind: (the .metadata, given the step directory; what the refus
 }
 
 
-def loaded_in_subprocess(path: Path, timeout: float = 60) -> str:
-    """``load_for_inference(path)`` in a fresh interpreter: its one-line outcome ("loaded", the error, or "timeout"
-    or "exit N" when it hung or crashed)."""
-    code = ("import sys\nfrom zaya.checkpoint.consolidate import load_for_inference\ntry:\n"
-            "    load_for_inference(sys.argv[1])\n    print('loaded')\n"
-            "except Exception as exc:\n    print(type(exc).__name__ + ': ' + str(exc))\n")
-    try:
-        done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "timeout"
-    return done.stdout.strip().splitlines()[-1] if done.returncode == 0 else f"exit {done.returncode}"
+def _load_for_inference(rank: int, world: int, path: str) -> str:
+    load_for_inference(path)
+    return "loaded"
+
+
+def loaded_in_fresh_process(path: Path, timeout: float = 60) -> str:
+    """``load_for_inference(path)`` in a fresh process (forked from the rank server, whose torch has run nothing:
+    its thread pools are new): its one-line outcome ("loaded", the error, or why it gave none when it hung or
+    crashed)."""
+    (result,) = run_ranks(_load_for_inference, 1, str(path), timeout_s=timeout)
+    return "loaded" if result.error is None else result.error.split("\nTraceback (most recent call last):")[0]
 
 
 @pytest.mark.parametrize("kind", DATA_FILES)
@@ -780,7 +780,7 @@ def test_a_load_reads_only_regular_files_its_commit_lists(tmp_path, run, kind):
     """A .metadata (COMMIT recomputed) pointing a tensor at a link to /etc/passwd or to a FIFO (the FIFO hung every
     loader), past a file's end, or at an item whose pickle would hang or crash torch.load, is refused naming the
     file. Read where a regression fails instead of hanging or crashing the suite: the metadata in a forked child, an
-    item (read by torch after the model is built) in a subprocess."""
+    item (read by torch after the model is built) in a fresh process."""
     from zaya.checkpoint.reader import read_metadata
 
     make, needle = DATA_FILES[kind]
@@ -788,7 +788,7 @@ def test_a_load_reads_only_regular_files_its_commit_lists(tmp_path, run, kind):
     (step / ".metadata").write_bytes(make(step))
     commit_all(step)
     if kind.startswith("item-"):
-        outcome = loaded_in_subprocess(step)
+        outcome = loaded_in_fresh_process(step)
     else:
         outcome = ": ".join(in_child(lambda: read_metadata(step) and None))
         assert outcome.startswith("error: "), outcome
