@@ -25,7 +25,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from zaya.config import ModelConfig, model_config_from_dict, to_dict
 from zaya.core.errors import CheckpointError, ConfigError
-from zaya.model.io import DAMAGED, ZAYA_WEIGHTS, check_layer_count, check_weight, read_zaya_meta
+from zaya.model.io import DAMAGED, ZAYA_META, ZAYA_WEIGHTS, check_layer_count, check_weight, read_zaya_meta
 from zaya.model.router import BALANCING_STATE, initial_balancing_state
 
 READ_CHUNK_BYTES = 16 << 20
@@ -88,8 +88,8 @@ def _open(path: str, log: Callable[[str], None]) -> InitSource:
     elif kind == "zaya":
         listed = verify_checksums(directory)
         weights = directory / ZAYA_WEIGHTS
-        check_listed(directory, listed, [weights])
-        config = model_config_from_dict(read_zaya_meta(directory)["model"], str(directory / "zaya.json"))
+        check_listed(directory, listed, [directory / ZAYA_META, weights])
+        config = model_config_from_dict(read_zaya_meta(directory)["model"], str(directory / ZAYA_META))
         tensors = [(str(weights), name, name) for name in _header(weights, shapes)]
         names, source = [t[2] for t in tensors], str(weights)
     else:
