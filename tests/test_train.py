@@ -242,7 +242,7 @@ DIST_SETTINGS = ["--set", "train.dtype=\"float32\"", "--set", "optim.muon_ns_dty
 @pytest.fixture(scope="module")
 def single_process_reference(tmp_path_factory, shakespeare_dataset):
     """One process, global batch 8 sequences (2 micro-batches of 4): what 2 ranks x 4 must reproduce."""
-    from tests.conftest import MICRO_CONFIG
+    from conftest import MICRO_CONFIG
 
     base = tmp_path_factory.mktemp("ref")
     cfg = base / "ref.toml"
