@@ -356,8 +356,13 @@ def test_a_flipped_bit_in_an_export_is_found_by_its_checksum(tmp_path, capsys, e
 
 def test_an_unlisted_file_in_an_export_is_refused(tmp_path, capsys, exports):
     out = copy_export(exports, "hf", tmp_path)
-    (out / "generation_config.json").write_text('{"do_sample": false}')  # read by the loader, never exported
-    cli_refuses(capsys, out, "generation_config.json is not listed", MANIFEST)
+    # A shard index beside a one-file export: the loader reads it, the export never wrote it.
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        weight_map = {name: "model.safetensors" for name in f.keys()}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    cli_refuses(capsys, out, "model.safetensors.index.json is not listed", MANIFEST)
 
 
 def test_a_malformed_manifest_is_refused(tmp_path, capsys, exports):
