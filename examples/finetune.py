@@ -93,16 +93,19 @@ class Steps:
         self.cpu_seconds[step] = self.cpu_seconds.get(step, 0.0) + children_cpu_seconds() - cpu_start
 
     def run(self, step: str, argv: list[str]) -> str:
-        """Run ``argv`` (``zaya ...`` or ``python ...``), echoing its output; returns its stdout."""
+        """Run ``argv`` (``zaya ...`` or ``python ...``), echoing its output as it comes; returns its stdout."""
         print(f"\n$ {shlex.join(argv)}", flush=True)
         real = self.resolve(argv)
         start, cpu_start = time.perf_counter(), children_cpu_seconds()
-        proc = subprocess.run(real, stdout=subprocess.PIPE, text=True)
+        out = []
+        with subprocess.Popen(real, stdout=subprocess.PIPE, text=True) as proc:
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                out.append(line)
         self.timed(step, start, cpu_start)
-        print(proc.stdout, end="", flush=True)
         if proc.returncode != 0:
             raise SystemExit(f"step {step}: `{shlex.join(argv)}` exited with {proc.returncode}")
-        return proc.stdout
+        return "".join(out)
 
     @staticmethod
     def resolve(argv: list[str]) -> list[str]:
@@ -170,7 +173,7 @@ def serve_and_ask(work: Path, steps: Steps) -> dict:
               f"'content': {question!r}}}], max_tokens=16, temperature=0)")
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
                                                max_tokens=16, temperature=0)
-        said = reply.choices[0].message.content
+        said = reply.choices[0].message.content.strip()
         print(f"{said!r}  (the play: {answer!r})", flush=True)
     finally:
         server.terminate()
