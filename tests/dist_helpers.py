@@ -4,9 +4,9 @@ on 127.0.0.1 and collects what each rank returned or raised (``run_ok`` where ev
 Each rank gets the caller's environment and working directory plus what torchrun would give it (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), so
 ``zaya.distributed.runtime.start()`` joins the group as it would under torchrun; one intra-op thread per rank (the
-ranks share the machine's cores). Ranks are forked from a server that imported torch, pytest and the zaya modules
-the ranks run (``PRELOAD``) once per session: a rank starts in a tenth of a second instead of importing them
-(seconds of CPU per rank on 2 cores).
+ranks share the machine's cores). Ranks are forked from a server that imported torch, pytest, the zaya modules
+the ranks run and what their first calls import lazily (``PRELOAD``) once per session: a rank starts in a tenth of
+a second instead of importing them (seconds of CPU per rank on 2 cores).
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ from zaya.core.errors import exit_code_of
 
 
 PRELOAD = ["torch", "torch.distributed", "pytest", "zaya.core.errors", "zaya.train.trainer", "zaya.cli",
-           "zaya.distributed.context_parallel", "zaya.serve.tree", "zaya.tune"]
+           "zaya.distributed.context_parallel", "zaya.serve.tree", "zaya.tune",
+           # what the ranks' first FSDP2 wrap, DTensor, Muon and checkpoint calls import lazily (some 800 modules,
+           # dynamo and sympy among them: 2-3 s of CPU in each rank otherwise)
+           "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+           "torch.distributed.checkpoint.state_dict", "torch.distributed.elastic.multiprocessing.errors",
+           "torch.utils.serialization", "zaya.optim.build", "zaya.distributed.parallel", "zaya.distributed.checks",
+           "zaya.distributed.shared_fs", "zaya.checkpoint.store", "zaya.core.procs", "zaya.model.info",
+           "zaya.eval.perplexity", "zaya.data.cache", "psutil", "numpy.random", "numpy.ma"]
 """Imported once by the fork server (none of them starts a thread at import, so forking after them is safe)."""
 
 
