@@ -51,8 +51,8 @@ def case_overrides(shape: str, mode: str, dtype: str, run_dir: str, dataset: str
     return out
 
 
-def _measure(rank: int, cases: list[dict], out_dir: str) -> list[dict]:
-    """On one rank: each case's measured peaks (bytes)."""
+def _measure(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """On one rank (the process group's environment set, as torchrun sets it): each case's measured peaks (bytes)."""
     import torch
 
     from zaya.config import load_config
@@ -94,7 +94,7 @@ def _measure(rank: int, cases: list[dict], out_dir: str) -> list[dict]:
     return results
 
 
-def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "OMP_NUM_THREADS": "1"})
@@ -102,14 +102,14 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -
 
     torch.set_num_threads(1)
     try:
-        value = {"results": _measure(rank, cases, out_dir)}
+        value = {"value": fn(rank, world, *args)}
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         value = {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(value))
 
 
-def measure(cases: list[dict], world: int = 2) -> list[dict]:
-    """Run ``cases`` on ``world`` gloo ranks; per case the largest peak over the ranks."""
+def spawn_ranks(fn, world: int, *args) -> list:
+    """``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; their (JSON) values in rank order."""
     import socket
 
     import torch.multiprocessing as mp
@@ -118,14 +118,22 @@ def measure(cases: list[dict], world: int = 2) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world, port, cases, out_dir), nprocs=world, start_method="spawn")
+        mp.start_processes(_worker, args=(world, port, fn, args, out_dir), nprocs=world, start_method="spawn")
         per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
     for r, value in enumerate(per_rank):
         if "error" in value:
             raise RuntimeError(f"rank {r}: {value['error']}")
+    return [value["value"] for value in per_rank]
+
+
+def measure(cases: list[dict], world: int = 2, launch=spawn_ranks) -> list[dict]:
+    """Run ``cases`` on ``world`` gloo ranks started by ``launch`` (``launch(fn, world, *args)``: the values of
+    ``fn(rank, world, *args)`` in rank order; the tests' launcher forks them from a server that imported torch);
+    per case the largest peak over the ranks."""
+    per_rank = launch(_measure, world, cases)
     merged = []
     for i, case in enumerate(cases):
-        rows = [value["results"][i] for value in per_rank]
+        rows = [value[i] for value in per_rank]
         merged.append({k: (max(row[k] for row in rows) if k != "name" else case["name"]) for k in rows[0]})
     return merged
 
@@ -147,8 +155,8 @@ def build_cases(shapes: list[str], modes: list[str], dtype: str, root: str, data
             for shape in shapes for mode in modes]
 
 
-def validate(cases: list[dict], world: int = 2) -> list[dict]:
-    measured = measure(cases, world)
+def validate(cases: list[dict], world: int = 2, launch=spawn_ranks) -> list[dict]:
+    measured = measure(cases, world, launch)
     rows = []
     for case, m in zip(cases, measured):
         est = estimate(case, world)
