@@ -235,8 +235,9 @@ class OptimConfig:
     """Nesterov momentum in Muon."""
     muon_ns_steps: int = ranged(5, 0, 100)
     """Newton-Schulz iterations (ZAYA1: 5)."""
-    muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Dtype of Muon's Newton-Schulz iteration: "bfloat16" (fast; the usual choice) or "float32"."""
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Dtype of Muon's Newton-Schulz iteration: "bfloat16" (fast on GPUs; the usual choice), "float32", or "auto"
+    (bfloat16 where the device multiplies it in hardware, as train.dtype's "auto")."""
     muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
     """Muon's per-matrix LR scaling: "match_rms_adamw" (0.2 sqrt(max(m, n))) or "original" (sqrt(max(1, m/n)))."""
     muon_ns_method: Literal["auto", "standard", "gram", "reference"] = "auto"
@@ -283,8 +284,10 @@ class TrainConfig:
     """[[tokens_seen, global_batch_tokens], ...]: the global batch from each point on (realised by accumulation)."""
     parallel: ParallelMode = resumable("ddp")
     """Data parallelism across ranks: "ddp", "zero1" (DDP with the optimizer state sharded) or "fsdp" (FSDP2)."""
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Compute dtype under autocast: "bfloat16" or "float32". Master weights and optimizer state stay fp32."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Compute dtype under autocast: "bfloat16", "float32", or "auto": bfloat16 on a device that multiplies it in
+    hardware (GPUs; CPUs with AVX-512 BF16, AMX or Arm BF16), else float32 (an AVX2 CPU emulates bf16 matmuls, 17x
+    slower). Master weights and optimizer state stay fp32."""
     seed: int = ranged(0, 0, SEED_LIMIT)
     """Seed for weight init (data order is data.seed)."""
     log_every: int = ranged(10, 1, resumable=True)

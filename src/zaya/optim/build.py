@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from zaya.core.device import to_dtype
+from zaya.core.hardware import compute_dtype
 from zaya.config import OptimConfig
 
 
@@ -67,7 +68,7 @@ def build_optimizers(params: ParamSplit, cfg: OptimConfig,
     if params.muon:
         muon = Muon([p for _, p in params.muon], lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay,
                     momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
-                    adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=to_dtype(cfg.muon_ns_dtype),
+                    adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=to_dtype(compute_dtype(cfg.muon_ns_dtype, params.muon[0][1].device)),
                     ns_method=cfg.muon_ns_method, distributed=cfg.muon_distributed, replica_group=replica_group)
         optimizers.append(muon)
     groups = []

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from zaya.config import Config
+from zaya.core.hardware import compute_dtype
 from zaya.distributed.parallel import Parallel, wrap
 from zaya.distributed.runtime import Runtime
 
@@ -84,16 +85,17 @@ def build_model(config: Config, rt: Runtime, weights_later: bool = False) -> Par
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
     np.random.seed(tc.seed)
+    dtype = compute_dtype(tc.dtype, rt.device)
     with torch.device("meta" if weights_later else rt.device):
         model = ZayaForCausalLM(config.model)
     model.activation_checkpointing = tc.activation_checkpointing
     if not weights_later:
-        return wrap(model, tc.parallel, rt, tc.dtype)
+        return wrap(model, tc.parallel, rt, dtype)
     sharded = tc.parallel == "fsdp" and rt.distributed
-    parallel = wrap(model, tc.parallel, rt, tc.dtype) if sharded else None
+    parallel = wrap(model, tc.parallel, rt, dtype) if sharded else None
     model.to_empty(device=rt.device)
     model.rope.reset_parameters()  # derived from the config, never stored
-    return parallel if parallel is not None else wrap(model, tc.parallel, rt, tc.dtype)
+    return parallel if parallel is not None else wrap(model, tc.parallel, rt, dtype)
 
 
 def install_sequence_seam(model, config: Config, rt: Runtime) -> None:

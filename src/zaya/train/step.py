@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from zaya.core.device import autocast
+from zaya.core.hardware import compute_dtype
 from zaya.model import update_balancing_biases
 from zaya.model.router import routers_of
 
@@ -76,7 +77,7 @@ class TrainStep:
         self.count_shape = (config.model.num_layers, config.model.num_router_classes)
 
     def __call__(self, batches: list) -> StepValues:
-        rt, model, dtype = self.runtime, self.parallel.model, self.config.train.dtype
+        rt, model, dtype = self.runtime, self.parallel.model, compute_dtype(self.config.train.dtype, self.runtime.device)
         totals = StepTotals(rt.device, self.count_shape, 0 if self.probe is None else self.probe.num_values)
         if self.probe is not None:
             # First, with the weights and biases the last step left (and before any backward: FSDP2 wants no

@@ -22,6 +22,7 @@ import torch
 
 from zaya.config import Config, to_dict
 from zaya.core.device import autocast
+from zaya.core.hardware import compute_dtype
 from zaya.core.errors import NonFiniteLossError, disk_full, exit_code_of, writing
 from zaya.core.layout import CHECKPOINTS, METRICS_FILE, TENSORBOARD, TOKENIZER_FILE
 from zaya.distributed.runtime import Runtime, collective_error, start, stop
@@ -203,12 +204,13 @@ class Trainer:
         from zaya.model.info import parameter_count
 
         tc, rt = self.config.train, self.runtime
-        self.peak_flops, self.peak_source = device_peak_flops(rt.device, tc.peak_flops, tc.dtype)
+        dtype = compute_dtype(tc.dtype, rt.device)
+        self.peak_flops, self.peak_source = device_peak_flops(rt.device, tc.peak_flops, dtype)
         n_params = parameter_count(self.parallel.model.parameters())
         train_tokens = sum(d.split("train").num_tokens for d in self.datasets.values())
         self.log(f"zaya train: {n_params:,} parameters, {rt.world_size} rank(s) ({tc.parallel}, dp {rt.dp_size} x "
                  f"cp {rt.cp_size}, {rt.device.type}), {train_tokens:,} train tokens ({', '.join(self.datasets)}), "
-                 f"{len(self.schedule.stages)} stage(s), dtype {tc.dtype}, peak {self.peak_flops / 1e12:.2f} "
+                 f"{len(self.schedule.stages)} stage(s), dtype {dtype}{' (auto)' if tc.dtype == 'auto' else ''}, peak {self.peak_flops / 1e12:.2f} "
                  f"TFLOP/s ({self.peak_source}); run dir {self.run_dir}"
                  + (f"; collectives: {self.parallel.describe()}" if self.parallel.describe() else ""))
 
@@ -216,7 +218,7 @@ class Trainer:
         return next(iter(self.datasets.values())).tokenizer()
 
     def autocast(self):
-        return autocast(self.runtime.device, self.config.train.dtype)
+        return autocast(self.runtime.device, compute_dtype(self.config.train.dtype, self.runtime.device))
 
     def _call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -437,7 +439,8 @@ class Trainer:
                 continue
             with self.full_sequences():  # under cp every rank of a cp group scores its dp rank's share in full
                 part, _ = loss_totals(self.parallel.wrapped, dataset, stage.seq_len, stage.micro_batch_size,
-                                      dc.val_batches, "val", self.config.train.dtype, rt, dc.document_positions,
+                                      dc.val_batches, "val", compute_dtype(self.config.train.dtype, rt.device), rt,
+                                      dc.document_positions,
                                       dc.document_mask)
             total += part
         loss_sum, count = rt.read(rt.all_reduce(total, over="dp"))

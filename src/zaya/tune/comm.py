@@ -271,16 +271,18 @@ def model_sizes(config_path: str) -> dict[str, Any]:
     import torch
 
     from zaya.config import load_config
+    from zaya.core.hardware import compute_dtype
     from zaya.model import ZayaForCausalLM
     from zaya.model.info import parameter_count
 
     config = load_config(config_path)
+    dtype = compute_dtype(config.train.dtype, "cuda")  # what the GPUs of a swept cluster send
     with torch.device("meta"):
         model = ZayaForCausalLM(config.model)
     blocks = [parameter_count(b) for b in model.blocks]
     total = parameter_count(model)
     return {"config": str(config_path), "params": total, "block_params": max(blocks), "num_blocks": len(blocks),
-            "param_dtype_bytes": 2 if config.train.dtype == "bfloat16" else 4, "dtype": config.train.dtype}
+            "param_dtype_bytes": 2 if dtype == "bfloat16" else 4, "dtype": dtype}
 
 
 def recommend(rows: list[dict[str, Any]], model: dict[str, Any] | None = None,

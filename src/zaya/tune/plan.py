@@ -45,6 +45,7 @@ import torch
 
 from zaya.config import PARALLEL_MODES, Config, load_config
 from zaya.core.errors import ConfigError
+from zaya.core.hardware import compute_dtype
 from zaya.core.metrics_file import parse_records
 from zaya.core.units import format_count, format_duration
 from zaya.tune import report as skeleton
@@ -160,7 +161,7 @@ def memory_plan(config: Config, *, gpus: int, parallel: str, micro_batch: int, s
     from zaya.config import to_dict
     from zaya.core.hardware import load_profile
 
-    mc, dtype = config.model, config.train.dtype
+    mc, dtype = config.model, compute_dtype(config.train.dtype, device_type)
     dp = gpus // cp
     sizes = model_sizes(config, gpus)
     compute_bytes = 2 if dtype == "bfloat16" else 4
@@ -209,7 +210,7 @@ def memory_plan(config: Config, *, gpus: int, parallel: str, micro_batch: int, s
     # largest matrix (about five copies in its dtype; GPUs batch same-shape matrices, CPUs run big ones singly);
     # with DDP, distributed Muon's exchange of the updates a rank computed (4 bytes per matrix parameter / ranks);
     # with ZeRO-1, two of the flat buffers the owners broadcast their parameters in.
-    ns_bytes = 2 if config.optim.muon_ns_dtype == "bfloat16" else 4
+    ns_bytes = 2 if compute_dtype(config.optim.muon_ns_dtype, device_type) == "bfloat16" else 4
     optimizer_work = 5 * ns_bytes * (sizes.largest_stack if device_type == "cuda" else sizes.largest_matrix)
     if single:
         optimizer_work += 4 * sizes.total  # the gradients
@@ -357,7 +358,8 @@ def plan(config: Config, hw: Hardware, *, modes: tuple[str, ...] = MODES, ac_opt
         raise ConfigError(f"--headroom {hw.headroom}: must be in [0, 1)")
     tc = config.train
     reshard = load_profile(torch.device("cpu")).fsdp_reshard_after_forward
-    compute_bytes = 2 if tc.dtype == "bfloat16" else 4
+    train_dtype = compute_dtype(tc.dtype, "cuda")  # the GPUs planned for
+    compute_bytes = 2 if train_dtype == "bfloat16" else 4
     bits = lambda gbps: gbps * 1e9 / 8  # noqa: E731 - Gbit/s -> bytes/s
     stages = []
     total_seconds = 0.0
@@ -404,7 +406,7 @@ def plan(config: Config, hw: Hardware, *, modes: tuple[str, ...] = MODES, ac_opt
            "hardware": {"gpus": hw.gpus, "gpu_memory_gib": hw.gpu_memory_gib, "tflops": hw.tflops,
                         "net_gbps": hw.net_gbps, "storage_gbps": hw.storage_gbps, "gpus_per_node": hw.gpus_per_node,
                         "headroom": hw.headroom, "mfu": hw.mfu, "budget_bytes": hw.budget_bytes,
-                        "dtype": tc.dtype, "fsdp_reshard_after_forward": reshard},
+                        "dtype": train_dtype, "fsdp_reshard_after_forward": reshard},
            "stages": stages, "total_tokens": sum(s["tokens"] for s in stages), "total_seconds": total_seconds,
            "checkpoint": {**ck, "bytes": ck_total, "write_seconds": ck_total / storage if storage else None,
                           "every_steps": every,
