@@ -67,6 +67,22 @@ DOCS = [{"question": "ROMEO: What light", "choices": [" breaks", " sings", " fal
                      "to suffer the slings and arrows of outrageous fortune", "choices": [" or", " and"], "answer": 1}]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_tasks_only():
+    """lm-eval indexes only the task files this module writes, not the 15,000 it ships (some 11 s of CPU): the
+    harness calls lm-eval as it always does; which tasks lm-eval ships is lm-eval's concern."""
+    import functools
+
+    from lm_eval import tasks
+
+    from zaya.eval.harness import task_manager
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tasks, "TaskManager", functools.partial(tasks.TaskManager, include_defaults=False))
+        yield
+    task_manager.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def tasks_dir(tmp_path_factory) -> Path:
     """The three tasks' YAML files on a local JSONL of ``DOCS``, and one whose dataset lives on the hub only; one
