@@ -1,5 +1,6 @@
-"""Shared fixtures: a private cache directory for every test session, one intra-op thread, a small prepared
-Shakespeare dataset, the micro training config, and one micro run trained once per session."""
+"""Shared fixtures: a private cache directory for every test session, one intra-op thread, no plots at the end of
+a run (but where marked), a small prepared Shakespeare dataset, the micro training config, and one micro run
+trained once per session."""
 
 from pathlib import Path
 
@@ -29,6 +30,19 @@ def _one_thread():
     yield
     torch.set_num_threads(threads)
     mp.undo()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "plots: finished runs draw their PNGs (see _no_plots)")
+
+
+@pytest.fixture(autouse=True)
+def _no_plots(request, monkeypatch):
+    """A run that finishes in the test process draws no PNGs (matplotlib: about 2 s of CPU a run, in dozens of runs
+    here) unless the test is marked ``plots``: tests/test_plot.py (the drawing, `zaya plot`) and the end-to-end
+    `zaya train` of tests/test_cli.py (a finished run writes them)."""
+    if request.node.get_closest_marker("plots") is None:
+        monkeypatch.setattr("zaya.train.plot.plot_run", lambda run_dir, out_dir=None: [])
 
 
 @pytest.fixture(scope="session")

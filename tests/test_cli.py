@@ -61,6 +61,7 @@ def test_info_zaya1_base_json():
     assert info["params_embedding"] == 537_133_056
 
 
+@pytest.mark.plots
 def test_train_end_to_end_micro(tmp_path, capsys, micro_config):
     run = tmp_path / "run"
     cfg = micro_config(run)

@@ -10,6 +10,8 @@ import pytest
 from zaya.cli import main
 from zaya.train.plot import PLOT_FILES, plot_run, read_metrics
 
+pytestmark = pytest.mark.plots
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LAYERS, EXPERTS = 3, 4
 
