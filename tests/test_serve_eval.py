@@ -160,3 +160,29 @@ def test_a_task_lm_eval_cannot_run_is_a_user_error(tmp_path, capsys, monkeypatch
     assert "Traceback" not in err and "a bug" not in err and line.startswith("zaya: error: --tasks: "), err
     for text in said:
         assert text in line, line
+
+
+
+def test_local_tasks_are_found_without_indexing_lm_evals_own(tasks_dir, monkeypatch):
+    """``--include-path`` tasks are looked up in an index of that directory alone; lm-eval's whole index (some
+    15,000 files) is built only for a name the directory does not have."""
+    from lm_eval import tasks as lm_tasks
+
+    from zaya.eval import harness
+
+    stubbed = lm_tasks.TaskManager  # the module fixture's: never indexes lm-eval's own tasks, whatever it is asked
+    asked = []
+
+    def recording(*args, include_defaults=True, **kwargs):
+        asked.append(include_defaults)
+        return stubbed(*args, **kwargs)
+
+    monkeypatch.setattr(lm_tasks, "TaskManager", recording)
+    harness.task_manager.cache_clear()
+    try:
+        assert "zaya_tiny_mc" in harness.manager_for(["zaya_tiny_mc"], str(tasks_dir)).all_tasks
+        assert asked == [False]
+        harness.manager_for(["zaya_not_here"], str(tasks_dir))
+        assert asked == [False, True]
+    finally:
+        harness.task_manager.cache_clear()

@@ -135,19 +135,31 @@ def evaluate_tasks(model, tokenizer, tasks: list[str], include_path: str | None 
     import lm_eval
 
     lm = ZayaLM(model, tokenizer, num_slots=num_slots, capacity=capacity)  # its slots first: checked, not indexed
-    manager = task_manager(include_path)
+    manager = manager_for(tasks, include_path)
     loaded = [task for name in tasks for task in load_task(manager, name, include_path)]
     return lm_eval.simple_evaluate(model=lm, tasks=loaded, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
                                    log_samples=False, bootstrap_iters=0)
 
 
 @functools.lru_cache(maxsize=4)
-def task_manager(include_path: str | None = None):
-    """lm-eval's index of its tasks and those under ``include_path`` (built once per path: it reads some 15,000
-    task files, about 20 s)."""
+def task_manager(include_path: str | None = None, defaults: bool = True):
+    """lm-eval's index of the tasks under ``include_path`` and, with ``defaults``, of its own (built once per path:
+    its own are some 15,000 task files, about 20 s; ``evaluate_tasks`` looks under ``include_path`` alone first)."""
     from lm_eval.tasks import TaskManager
 
+    if not defaults:
+        return TaskManager(include_path=include_path, include_defaults=False)
     return TaskManager(include_path=include_path) if include_path else TaskManager()
+
+
+def manager_for(tasks: list[str], include_path: str | None):
+    """The index that has ``tasks``: the tasks under ``include_path`` alone when they are all there (a second, not
+    twenty), else lm-eval's whole index."""
+    if include_path:
+        local = task_manager(include_path, defaults=False)
+        if all(name in local.all_tasks or Path(name).is_file() for name in tasks):
+            return local
+    return task_manager(include_path)
 
 
 def load_task(manager, name: str, include_path: str | None) -> list:
