@@ -8,7 +8,8 @@ plus the CCA convolution and value-shift state, allocated once). ``submit`` queu
 2. prefills at most ``prefill_chunk`` prompt tokens in all, oldest request first (several short prompts, or one
    chunk of a long one), so a long prompt delays the running streams by one chunk per step, not by its length;
 3. runs one decode step over every decoding slot: one forward with one token per row, each at its own position;
-4. samples every request that got logits (per-request temperature / top-k / top-p / repetition penalty / seed),
+4. samples every request that got logits (per-request temperature / top-k / top-p / repetition, presence and
+   frequency penalties / seed; log-probabilities stay those of the raw logits),
    reads the sampled ids back to the host (the step's one read, with the log-probabilities when asked for), and
    applies eos, stop strings and max_tokens. A finished request frees its slot at once; the next step can give it
    to a waiting request (requests join and leave between steps).
@@ -36,7 +37,8 @@ import torch
 
 from zaya.model.slots import SlotDecoder
 from zaya.serve.request import Request, TokenLogprob
-from zaya.serve.sampling import SamplingParams, apply_repetition_penalty, decode_tokens, sample_next
+from zaya.serve.sampling import (SamplingParams, apply_output_penalties, apply_repetition_penalty, decode_tokens,
+                                 sample_next)
 from zaya.serve.text import TextStream
 
 log = logging.getLogger("zaya.serve")
@@ -58,6 +60,8 @@ class _Active:
     """The last sampled token, to be fed by the next decode step."""
     seen: torch.Tensor | None = None
     """[V] bool: tokens of the prompt and output (repetition penalty only)."""
+    counts: torch.Tensor | None = None
+    """[V] how often each token is in the output, on the device (presence / frequency penalties only)."""
     pending: list = field(default_factory=list)
 
 
@@ -230,6 +234,8 @@ class Engine:
         if p.repetition_penalty != 1.0:
             active.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             active.seen[torch.tensor(request.prompt, device=self.device)] = True
+        if p.penalises_output:
+            active.counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
         if request.prompt_logprobs:
             request.prompt_token_logprobs = [None]
         return active
@@ -269,6 +275,8 @@ class Engine:
                 try:
                     if a.seen is not None:
                         row = apply_repetition_penalty(row, a.seen[None], p.repetition_penalty)
+                    if a.counts is not None:
+                        row = apply_output_penalties(row, a.counts[None], p.presence_penalty, p.frequency_penalty)
                     picked.append(sample_next(row, p.temperature, p.top_k or None, p.top_p, a.generator))
                 except Exception as exc:  # noqa: BLE001 - this request's failure, not the others'
                     self.fail(a.request, "sampling", exc)
@@ -300,6 +308,8 @@ class Engine:
         r = a.request
         if a.seen is not None:
             a.seen[token] = True
+        if a.counts is not None:
+            a.counts[token] += 1
         if r.eos_token_id is not None and not r.ignore_eos and token == r.eos_token_id:
             self._finish(a, "stop")
             return

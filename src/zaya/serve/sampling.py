@@ -32,7 +32,8 @@ SEED_RANGE = (0, 2**63)
 class SamplingParams:
     """How one request picks its tokens. temperature 0 = greedy; top_k None/0 = off; top_p None/1 = off;
     repetition_penalty 1 = off (CTRL's rule: a logit of a token already in the prompt or output is divided by the
-    penalty when positive and multiplied by it when negative); seed None = a fresh, unseeded generator, else an
+    penalty when positive and multiplied by it when negative); presence_penalty / frequency_penalty 0 = off
+    (OpenAI's rule, on the output only: ``apply_output_penalties``); seed None = a fresh, unseeded generator, else an
     int in ``SEED_RANGE``. A temperature below ``MIN_TEMPERATURE`` is greedy. Every value is checked here (a
     ValueError), so the engine never meets one that cannot be sampled."""
 
@@ -40,6 +41,8 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -49,13 +52,23 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0 or None disables it), not {self.top_k!r}")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be a finite number > 0, not {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, not {value!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise ValueError(f"seed must be an int in [0, 2**63), not {self.seed!r}")
 
     @property
+    def penalises_output(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
     def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE and self.repetition_penalty == 1.0
+        """The argmax of the raw logits: no temperature and no penalty."""
+        return (self.temperature < MIN_TEMPERATURE and self.repetition_penalty == 1.0
+                and not self.penalises_output)
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_p: float | None) -> None:
@@ -100,6 +113,18 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     logits = logits.float()
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(-_FP32_MAX, _FP32_MAX)
     return torch.where(seen, penalised, logits)
+
+
+def apply_output_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: float,
+                           frequency: float) -> torch.Tensor:
+    """``logits`` [B, V] with OpenAI's penalties: ``logit - frequency * count - presence * (count > 0)``, where
+    ``counts`` [B, V] is how often each token is in the output so far (not the prompt). Applied after the repetition
+    penalty, as vLLM does; a negative penalty favours repeats."""
+    if presence == 0 and frequency == 0:
+        return logits
+    counts = counts.to(torch.float32)
+    penalty = frequency * counts + presence * (counts > 0).to(torch.float32)
+    return (logits.float() - penalty).clamp(-_FP32_MAX, _FP32_MAX)
 
 
 def decode_tokens(prompt: torch.Tensor, logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
