@@ -141,6 +141,12 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.waiting) or any(a is not None for a in self.slots)
 
+    def occupancy(self) -> tuple[int, int, int]:
+        """(requests waiting, requests in slots, tokens their slots hold), for ``/metrics`` on another thread: a
+        snapshot that may be a step old."""
+        active = [a for a in list(self.slots) if a is not None]
+        return len(self.waiting), len(active), sum(a.prefilled + len(a.request.output) for a in active)
+
     def run(self, requests: list[Request]) -> list[Request]:
         """Submit ``requests`` and step until every one has finished."""
         for r in requests:

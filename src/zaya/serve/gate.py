@@ -3,8 +3,8 @@
 ``Gate`` wraps the whole application (outside FastAPI's own middleware), so both are answered before a byte of the
 body is read, with OpenAI-style error bodies:
 
-- ``--api-key``: every route but ``/health`` needs ``Authorization: Bearer KEY``, as OpenAI clients send it
-  (``openai.OpenAI(api_key=KEY)``); the key is compared in constant time (``hmac.compare_digest``). Otherwise a 401.
+- ``--api-key``: every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer KEY``, as OpenAI clients
+  send it (``openai.OpenAI(api_key=KEY)``); the key is compared in constant time (``hmac.compare_digest``). Otherwise a 401.
 - ``--max-body-bytes``: a request whose ``content-length`` is larger is a 413 at once. A body sent without a length
   (chunked) is counted as it is read, by FastAPI's ``max_body_size``, and refused when it passes the limit.
 
@@ -21,7 +21,8 @@ import hmac
 import ipaddress
 import json
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+"""Open without the API key, as in vLLM: a load balancer's health check and a Prometheus scraper hold no key."""
 API_KEY_ENV = "ZAYA_API_KEY"
 _DISCONNECT = {"type": "http.disconnect"}
 
