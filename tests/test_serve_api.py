@@ -76,31 +76,35 @@ def test_completions_chat_streaming_and_scoring(server):
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat.choices[0].message.content
 
 
-BAD = [
-    ({"prompt": "a", "bogus": 1}, "unknown field 'bogus'"),
-    ({"prompt": "a", "max_tokens": "3"}, "max_tokens"),
-    ({"prompt": "a", "max_tokens": 2.5}, "max_tokens"),
-    ({"prompt": "a", "temperature": "hot"}, "temperature"),
-    ({"prompt": "a", "stream": 1}, "stream"),
-    ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
-    ({"prompt": "a", "top_p": 0}, "top_p"),
-    ({"prompt": "a " * 80, "max_tokens": 4}, "context"),
-    ({"prompt": [[1, 99999]]}, "outside"),
-    ({"prompt": ""}, "no tokens"),
-    ({"max_tokens": 3}, "prompt"),
-    ({"prompt": "a", "model": "other"}, "does not exist"),
+BAD = [  # body, words in the message, OpenAI's code
+    ({"prompt": "a", "bogus": 1}, "unknown field 'bogus'", "unknown_parameter"),
+    ({"prompt": "a", "max_tokens": "3"}, "max_tokens", "invalid_type"),
+    ({"prompt": "a", "max_tokens": 2.5}, "max_tokens", "invalid_type"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature", "invalid_type"),
+    ({"prompt": "a", "stream": 1}, "stream", "invalid_type"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens", "invalid_value"),
+    ({"prompt": "a", "top_p": 0}, "top_p", "invalid_value"),
+    ({"prompt": "a", "frequency_penalty": 2.5}, "frequency_penalty", "invalid_value"),
+    ({"prompt": "a " * 80, "max_tokens": 4}, "context", "context_length_exceeded"),
+    ({"prompt": [[1, 99999]]}, "outside", "invalid_token_id"),
+    ({"prompt": ""}, "no tokens", "invalid_value"),
+    ({"max_tokens": 3}, "prompt", "missing_required_parameter"),
+    ({"prompt": "a", "model": "other"}, "does not exist", "model_not_found"),
 ]
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     url, _, _ = server
-    for body, words in BAD:
+    for body, words, code in BAD:
         r = httpx.post(f"{url}/v1/completions", json=body)
         assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
         error = r.json()["error"]
         assert words in error["message"] and error["type"] == "invalid_request_error", (body, error)
+        assert error["code"] == code, (body, error)
     r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "a",', headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert r.status_code == 400 and "not valid JSON" in error["message"]
+    assert error["param"] is None and error["code"] == "invalid_json", error
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert r.status_code == 400 and "role" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": []})

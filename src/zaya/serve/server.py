@@ -1,9 +1,9 @@
 """``zaya serve``: the engine behind an OpenAI-compatible HTTP API (FastAPI + uvicorn).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with server-sent-event streaming that ends
-in ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. The engine runs on one thread (``zaya.serve.worker``);
-handlers submit requests to it and await their progress, so many HTTP clients share each batched decode step
-(continuous batching).
+in ``data: [DONE]``), ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``. The engine runs on one thread
+(``zaya.serve.worker``); handlers submit requests to it and await their progress, so many HTTP clients share each
+batched decode step (continuous batching).
 
 What a client cannot do to the server or to other clients (docs/serving.md, "What is checked"):
 
@@ -41,7 +41,6 @@ from zaya.serve.gate import Gate, exposure_warning
 from zaya.serve.chat import ChatTemplate, ChatTemplateError
 from zaya.serve.engine import ContextLengthError, Engine
 from zaya.serve.limits import ServeLimits, context_length
-from zaya.serve.metrics import ServeMetrics
 from zaya.serve.prompt import encode_prompt
 from zaya.serve.request import Request
 from zaya.serve.sampling import SamplingParams
@@ -98,7 +97,6 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
     template = chat_template or ChatTemplate.for_tokenizer(tokenizer, timeout=limits.template_timeout,
                                                            max_chars=limits.template_chars)
     eos = engine.model.config.eos_token_id
-    metrics = ServeMetrics(engine)
     state: dict = {}
 
     @asynccontextmanager
@@ -155,28 +153,31 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
     async def health():
         return {"status": "ok"}
 
-    @app.get("/metrics")
-    async def prometheus():
-        from prometheus_client import CONTENT_TYPE_LATEST
-        from starlette.responses import Response
-
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "zaya",
+                "max_model_len": engine.capacity}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "zaya", "max_model_len": engine.capacity}]}
+        return {"object": "list", "data": [model_card()]}
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
 
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        check_model(name)
+        return model_card()
+
     def make_request(body, prompt: list[int], max_tokens: int, stops: tuple[str, ...], logprobs: int | None,
                      prompt_logprobs: bool) -> Request:
         try:
             sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k or None, top_p=body.top_p,
-                                      repetition_penalty=body.repetition_penalty, seed=body.seed)
+                                      repetition_penalty=body.repetition_penalty,
+                                      presence_penalty=body.presence_penalty,
+                                      frequency_penalty=body.frequency_penalty, seed=body.seed)
             request = Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=stops,
                               eos_token_id=eos, ignore_eos=body.ignore_eos, logprobs=logprobs,
                               prompt_logprobs=prompt_logprobs)
@@ -185,17 +186,16 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
             raise APIError(400, str(exc), param="messages" if isinstance(body, ChatRequest) else "prompt",
                            code="context_length_exceeded") from None
         except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), code="invalid_value") from None
         return request
 
-    async def run(requests: list[Request], http: HTTPRequest, rid: str) -> None:
-        """Submit ``requests`` (the response ``rid``'s) and wait until all have finished; aborted when the client
-        goes away."""
+    async def run(requests: list[Request], http: HTTPRequest) -> None:
+        """Submit ``requests`` and wait until all have finished; aborted when the client goes away."""
         loop = asyncio.get_running_loop()
         tracked = [_Tracked(r, loop) for r in requests]
         try:
-            for i, t in enumerate(tracked):
-                state["worker"].submit(t.request, metrics.track(t.request, http.url.path, rid, i, t.notify))
+            for t in tracked:
+                state["worker"].submit(t.request, t.notify)
             checked = time.monotonic()
             for t in tracked:
                 while not t.request.finished:
@@ -220,11 +220,10 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                            code="aborted")
 
     async def stream(request: Request, chunk: Callable[[Request, int, int, bool], dict],
-                     include_usage: bool, usage_chunk: Callable[[Request], dict], endpoint: str,
-                     rid: str) -> AsyncIterator[str]:
+                     include_usage: bool, usage_chunk: Callable[[Request], dict]) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         t = _Tracked(request, loop)
-        state["worker"].submit(request, metrics.track(request, endpoint, rid, 0, t.notify))
+        state["worker"].submit(request, t.notify)
         sent_text, sent_tokens = 0, 0
         try:
             while True:
@@ -248,17 +247,15 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
             if not request.finished:
                 state["worker"].abort(request)
 
-    def streaming(r: Request, chunk, body, rid: str, created: int, obj: str, endpoint: str):
-        """The SSE response of one streamed request to ``endpoint`` (``chunk`` builds each event; usage last when
-        asked)."""
+    def streaming(r: Request, chunk, body, rid: str, created: int, obj: str):
+        """The SSE response of one streamed request (``chunk`` builds each event; usage last when asked)."""
 
         def usage_chunk(r: Request) -> dict:
             return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
                     "usage": usage([r])}
 
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(stream(r, chunk, include, usage_chunk, endpoint, rid),
-                                 media_type="text/event-stream")
+        return StreamingResponse(stream(r, chunk, include, usage_chunk), media_type="text/event-stream")
 
     def usage(requests: list[Request]) -> dict:
         p = sum(len(r.prompt) for r in requests)
@@ -296,7 +293,7 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
         else:
             prompts = list(p)
         if not prompts:
-            raise APIError(400, "prompt: give at least one prompt", param="prompt")
+            raise APIError(400, "prompt: give at least one prompt", param="prompt", code="invalid_value")
         if len(prompts) > limits.max_prompts:
             raise APIError(400, f"prompt: {len(prompts)} prompts in one request; this server takes at most "
                                 f"{limits.max_prompts} (--max-prompts): send them in several requests",
@@ -317,7 +314,7 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                            code="tokenizer_failed") from None
         for x in ids:
             if not x:
-                raise APIError(400, "prompt: a prompt has no tokens", param="prompt")
+                raise APIError(400, "prompt: a prompt has no tokens", param="prompt", code="invalid_value")
         want_prompt_lp = body.echo and body.logprobs is not None
         requests = [make_request(body, x, body.max_tokens, body.stops(), body.logprobs, want_prompt_lp)
                     for x in ids]
@@ -341,7 +338,8 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             if len(requests) != 1:
-                raise APIError(400, "stream: streaming takes one prompt per request", param="stream")
+                raise APIError(400, "stream: streaming takes one prompt per request", param="stream",
+                               code="invalid_value")
             r, echo_text = requests[0], texts[0] if body.echo else ""
 
             def chunk(r: Request, sent_text: int, sent_tokens: int, done: bool) -> dict:
@@ -358,14 +356,14 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                         "choices": [{"index": 0, "text": text, "logprobs": lp,
                                      "finish_reason": r.finish_reason if done else None}]}
 
-            return streaming(r, chunk, body, rid, created, "text_completion", http.url.path)
-        await run(requests, http, rid)
+            return streaming(r, chunk, body, rid, created, "text_completion")
+        await run(requests, http)
         return await run_in_threadpool(completion_response, body, requests, texts, rid, created)
 
     # ------------------------------------------------------------------------------------------- chat
     def render_chat(body: ChatRequest) -> tuple[list[int], tuple[str, ...]]:
         try:
-            return template.render([m.model_dump(exclude_none=True) for m in body.messages], engine.capacity)
+            return template.render(body.template_messages(), engine.capacity)
         except ContextLengthError as exc:
             raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
         except TokenizerFailure as exc:
@@ -418,8 +416,8 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                                      "logprobs": content_logprobs(r, sent_tokens) if body.logprobs else None,
                                      "finish_reason": r.finish_reason if done else None}]}
 
-            return streaming(r, chunk, body, rid, created, "chat.completion.chunk", http.url.path)
-        await run([r], http, rid)
+            return streaming(r, chunk, body, rid, created, "chat.completion.chunk")
+        await run([r], http)
         return await run_in_threadpool(chat_response, body, r, rid, created)
 
     return app
@@ -445,11 +443,6 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_nam
         raise ConfigError(f"{exc.what}: pass fewer --slots (now {num_slots}) or a smaller --max-model-len (now "
                           f"{capacity}), the context each slot holds") from None
     app = build_app(engine, tokenizer, model_name, limits=limits)
-    if not log.handlers:  # the requests' lines (zaya.serve.metrics) on stderr beside uvicorn's
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
