@@ -41,6 +41,7 @@ from zaya.serve.gate import Gate, exposure_warning
 from zaya.serve.chat import ChatTemplate, ChatTemplateError
 from zaya.serve.engine import ContextLengthError, Engine
 from zaya.serve.limits import ServeLimits, context_length
+from zaya.serve.metrics import ServeMetrics
 from zaya.serve.prompt import encode_prompt
 from zaya.serve.request import Request
 from zaya.serve.sampling import SamplingParams
@@ -97,6 +98,7 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
     template = chat_template or ChatTemplate.for_tokenizer(tokenizer, timeout=limits.template_timeout,
                                                            max_chars=limits.template_chars)
     eos = engine.model.config.eos_token_id
+    metrics = ServeMetrics(engine)
     state: dict = {}
 
     @asynccontextmanager
@@ -153,6 +155,13 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
     async def health():
         return {"status": "ok"}
 
+    @app.get("/metrics")
+    async def prometheus():
+        from prometheus_client import CONTENT_TYPE_LATEST
+        from starlette.responses import Response
+
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "zaya",
                 "max_model_len": engine.capacity}
@@ -189,13 +198,14 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
             raise APIError(400, str(exc), code="invalid_value") from None
         return request
 
-    async def run(requests: list[Request], http: HTTPRequest) -> None:
-        """Submit ``requests`` and wait until all have finished; aborted when the client goes away."""
+    async def run(requests: list[Request], http: HTTPRequest, rid: str) -> None:
+        """Submit ``requests`` (the response ``rid``'s) and wait until all have finished; aborted when the client
+        goes away."""
         loop = asyncio.get_running_loop()
         tracked = [_Tracked(r, loop) for r in requests]
         try:
-            for t in tracked:
-                state["worker"].submit(t.request, t.notify)
+            for i, t in enumerate(tracked):
+                state["worker"].submit(t.request, metrics.track(t.request, http.url.path, rid, i, t.notify))
             checked = time.monotonic()
             for t in tracked:
                 while not t.request.finished:
@@ -220,10 +230,11 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                            code="aborted")
 
     async def stream(request: Request, chunk: Callable[[Request, int, int, bool], dict],
-                     include_usage: bool, usage_chunk: Callable[[Request], dict]) -> AsyncIterator[str]:
+                     include_usage: bool, usage_chunk: Callable[[Request], dict], endpoint: str,
+                     rid: str) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         t = _Tracked(request, loop)
-        state["worker"].submit(request, t.notify)
+        state["worker"].submit(request, metrics.track(request, endpoint, rid, 0, t.notify))
         sent_text, sent_tokens = 0, 0
         try:
             while True:
@@ -247,15 +258,17 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
             if not request.finished:
                 state["worker"].abort(request)
 
-    def streaming(r: Request, chunk, body, rid: str, created: int, obj: str):
-        """The SSE response of one streamed request (``chunk`` builds each event; usage last when asked)."""
+    def streaming(r: Request, chunk, body, rid: str, created: int, obj: str, endpoint: str):
+        """The SSE response of one streamed request to ``endpoint`` (``chunk`` builds each event; usage last when
+        asked)."""
 
         def usage_chunk(r: Request) -> dict:
             return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
                     "usage": usage([r])}
 
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(stream(r, chunk, include, usage_chunk), media_type="text/event-stream")
+        return StreamingResponse(stream(r, chunk, include, usage_chunk, endpoint, rid),
+                                 media_type="text/event-stream")
 
     def usage(requests: list[Request]) -> dict:
         p = sum(len(r.prompt) for r in requests)
@@ -356,8 +369,8 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                         "choices": [{"index": 0, "text": text, "logprobs": lp,
                                      "finish_reason": r.finish_reason if done else None}]}
 
-            return streaming(r, chunk, body, rid, created, "text_completion")
-        await run(requests, http)
+            return streaming(r, chunk, body, rid, created, "text_completion", http.url.path)
+        await run(requests, http, rid)
         return await run_in_threadpool(completion_response, body, requests, texts, rid, created)
 
     # ------------------------------------------------------------------------------------------- chat
@@ -416,8 +429,8 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                                      "logprobs": content_logprobs(r, sent_tokens) if body.logprobs else None,
                                      "finish_reason": r.finish_reason if done else None}]}
 
-            return streaming(r, chunk, body, rid, created, "chat.completion.chunk")
-        await run([r], http)
+            return streaming(r, chunk, body, rid, created, "chat.completion.chunk", http.url.path)
+        await run([r], http, rid)
         return await run_in_threadpool(chat_response, body, r, rid, created)
 
     return app
@@ -443,6 +456,11 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_nam
         raise ConfigError(f"{exc.what}: pass fewer --slots (now {num_slots}) or a smaller --max-model-len (now "
                           f"{capacity}), the context each slot holds") from None
     app = build_app(engine, tokenizer, model_name, limits=limits)
+    if not log.handlers:  # the requests' lines (zaya.serve.metrics) on stderr beside uvicorn's
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
