@@ -89,6 +89,7 @@ def test_a_signal_stops_the_server_with_requests_in_flight(checkpoint, tmp_path,
         output = log.read()
         assert took < 6, f"{took:.1f} s to stop after {sig.name}\n{output}"
         assert "Traceback" not in output, output
+        assert "endpoint=/v1/completions index=0" in output and "finish_reason=abort" in output, output  # logged
         warned = f"warning: serving on {host}, which other machines can reach, without an API key" in output
         assert warned == (host == "0.0.0.0"), output
     finally:
