@@ -14,6 +14,11 @@ plus the CCA convolution and value-shift state, allocated once). ``submit`` queu
    applies eos, stop strings and max_tokens. A finished request frees its slot at once; the next step can give it
    to a waiting request (requests join and leave between steps).
 
+With ``speculative_ngram`` > 0, a step in which one request decodes alone (no other decoding, nothing prefilling)
+drafts up to ``speculative_tokens`` tokens from its own context and verifies them in one forward
+(``zaya.serve.speculative``): the same output distribution (greedy: the same tokens), several tokens per forward
+when the continuation repeats the context.
+
 One request never fails another: an exception while admitting, prefilling, sampling or finishing one request
 finishes that request alone (finish reason "error", ``Request.error`` says why, the traceback goes to the
 ``zaya.serve`` log); the step goes on for the others, which produce what they would have alone (each samples with
@@ -37,8 +42,9 @@ import torch
 
 from zaya.model.slots import SlotDecoder
 from zaya.serve.request import Request, TokenLogprob
-from zaya.serve.sampling import (SamplingParams, apply_output_penalties, apply_repetition_penalty, decode_tokens,
-                                 sample_next)
+from zaya.serve.sampling import (MIN_TEMPERATURE, SamplingParams, apply_output_penalties, apply_repetition_penalty,
+                                 decode_tokens, sample_next, sampling_probs)
+from zaya.serve.speculative import CcaSnapshot, propose, verify_draft
 from zaya.serve.text import TextStream
 
 log = logging.getLogger("zaya.serve")
@@ -67,12 +73,23 @@ class _Active:
 
 class Engine:
     """Continuous-batching engine over ``num_slots`` slots of ``capacity`` tokens (default: the model's
-    max_seq_len). ``decode`` (token ids -> text) is needed for stop strings."""
+    max_seq_len). ``decode`` (token ids -> text) is needed for stop strings. ``speculative_ngram`` > 0 turns on
+    prompt-lookup speculation (n-grams of up to that many tokens, ``speculative_tokens`` drafted per step)."""
 
     def __init__(self, model, num_slots: int = 16, capacity: int | None = None, prefill_chunk: int = 512,
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, speculative_ngram: int = 0,
+                 speculative_tokens: int = 4) -> None:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
+        if speculative_ngram < 0 or speculative_tokens < 1:
+            raise ValueError(f"speculative_ngram must be >= 0 and speculative_tokens >= 1, not {speculative_ngram} "
+                             f"and {speculative_tokens}")
+        self.speculative_ngram = speculative_ngram
+        self.speculative_tokens = speculative_tokens
+        self.drafted = 0
+        """Draft tokens verified so far (speculation)."""
+        self.accepted = 0
+        """Draft tokens kept so far (speculation)."""
         self.model = model
         self.capacity = capacity or model.config.max_seq_len
         self.num_slots = num_slots
@@ -183,6 +200,11 @@ class Engine:
             else:
                 sample.append((active, logits))
         decoding = [a for a in self.slots if a is not None and a.next_token is not None]
+        if self.speculative_ngram and len(decoding) == 1 and not sample and not self._prefill_order:
+            draft = self._draft(decoding[0])
+            if draft:
+                changed += self._speculate(decoding[0], draft)
+                decoding = []
         if decoding:
             n = max(a.slot for a in decoding) + 1
             tokens, positions, idle = [0] * n, [0] * n, [True] * n
@@ -308,6 +330,64 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - this request's failure, not the others'
                 self.fail(a.request, "taking the sampled token", exc)
         return changed
+
+    def _draft(self, a: _Active) -> list[int]:
+        """Draft tokens for ``a`` (see ``zaya.serve.speculative.propose``), no more than its max_tokens and slot
+        have room for after the token the verify step emits itself."""
+        r = a.request
+        room = min(r.max_tokens - len(r.output), self.capacity - len(r.prompt) - len(r.output)) - 1
+        k = min(self.speculative_tokens, room)
+        return propose(r.prompt + r.output, self.speculative_ngram, k) if k > 0 else []
+
+    def _speculate(self, a: _Active, draft: list[int]) -> list[Request]:
+        """Feed ``a``'s pending token and ``draft`` in one forward, take the draft tokens its sampling keeps and the
+        token after them, and roll the slot's CCA state back to the last kept token."""
+        r = a.request
+        fed = [a.next_token] + draft
+        start = len(r.prompt) + len(r.output) - 1
+        try:
+            snapshot = CcaSnapshot(self.decoder, a.slot)
+            # the decode step attends by position and marks no keys valid; the forward reads the marks
+            self.decoder.key_valid[a.slot, :start] = True
+            logits = self.decoder.prefill(a.slot, torch.tensor(fed, device=self.device), start,
+                                          all_logits=True)[0].float()
+            kept = self._verify(a, logits, draft)
+            self.drafted += len(draft)
+            self.accepted += kept
+            if not r.finished and kept < len(draft):
+                snapshot.restore()
+                self.decoder.prefill(a.slot, torch.tensor(fed[:kept + 1], device=self.device), start)
+        except Exception as exc:  # noqa: BLE001 - the request's own step
+            self.fail(r, "the speculative step", exc)
+        return [r]
+
+    def _verify(self, a: _Active, logits: torch.Tensor, draft: list[int]) -> int:
+        """Take tokens from ``logits`` [len(draft) + 1, V] (position i follows draft token i - 1) under ``a``'s
+        sampling until one differs from the draft or the request finishes; returns how many draft tokens it kept."""
+        r, p = a.request, a.request.sampling
+        lp = torch.log_softmax(logits, dim=-1) if r.logprobs is not None else None
+        for i in range(len(logits)):
+            row = logits[i:i + 1]
+            if a.seen is not None:
+                row = apply_repetition_penalty(row, a.seen[None], p.repetition_penalty)
+            if a.counts is not None:
+                row = apply_output_penalties(row, a.counts[None], p.presence_penalty, p.frequency_penalty)
+            if p.temperature < MIN_TEMPERATURE:
+                token = int(row.argmax())
+                kept = i < len(draft) and token == draft[i]
+            elif i < len(draft):
+                token, kept = verify_draft(sampling_probs(row, p.temperature, p.top_k or None, p.top_p)[0], draft[i],
+                                           a.generator)
+            else:
+                token, kept = int(sample_next(row, p.temperature, p.top_k or None, p.top_p, a.generator)), False
+            entry = None
+            if lp is not None:
+                top = lp[i].topk(min(max(1, r.logprobs), lp.shape[-1]))
+                entry = (float(lp[i, token]), top.indices.tolist(), top.values.tolist())
+            self._take(a, token, entry)
+            if not kept or r.finished:
+                return i + kept
+        return len(draft)
 
     def _take(self, a: _Active, token: int, logprobs: tuple | None) -> None:
         """Apply one sampled ``token`` to ``a``'s request: eos, output, log-probabilities, stop strings, length."""

@@ -84,9 +84,18 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float | None)
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
                 generator: torch.Generator | None) -> torch.Tensor:
     """Pick one token per row of ``logits`` [B, V] (greedy below ``MIN_TEMPERATURE``)."""
-    logits = logits.float()
     if temperature < MIN_TEMPERATURE:
-        return logits.argmax(dim=-1)
+        return logits.float().argmax(dim=-1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None,
+                   top_p: float | None) -> torch.Tensor:
+    """The distribution ``sample_next`` draws from, [B, V], for a temperature of at least ``MIN_TEMPERATURE``
+    (below it the choice is the argmax): temperature, then top-k, then top-p. Speculative decoding
+    (``zaya.serve.speculative``) accepts draft tokens under it."""
+    logits = logits.float()
     # Logits that overflow fp32 (a large one over a small temperature or penalty) were the largest: keep them the
     # largest, finite, so that the softmax sees no inf - inf.
     logits = (logits / temperature).clamp(max=_FP32_MAX)
@@ -102,8 +111,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, top
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(-1)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
