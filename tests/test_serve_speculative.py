@@ -102,3 +102,13 @@ def test_propose_takes_the_longest_recurring_suffix():
     assert propose([4, 2, 3, 5, 6, 9, 2, 3], 3, 4) == [5, 6, 9, 2]
     assert propose([7, 7, 7, 7], 2, 3) == [7, 7]  # no occurrence has 3 tokens after it: the first one
     assert propose([1, 2, 3], 3, 4) == [] and propose([5], 3, 4) == []
+
+
+def test_zaya_serve_refuses_bad_speculation_flags(capsys):
+    from zaya.cli import main
+
+    for flags, message in ((["--speculative-ngram", "-1"], "--speculative-ngram must be >= 0 (0: off), not -1"),
+                           (["--speculative-tokens", "0"], "--speculative-tokens must be >= 1")):
+        assert main(["serve", "--checkpoint", "unused", *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

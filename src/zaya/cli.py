@@ -334,8 +334,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from zaya.serve.limits import ServeLimits, context_length
     from zaya.serve.server import serve
 
-    if args.slots < 1 or args.prefill_chunk < 1:
-        raise errors.ConfigError("--slots and --prefill-chunk must be >= 1")
+    if args.slots < 1 or args.prefill_chunk < 1 or args.speculative_tokens < 1:
+        raise errors.ConfigError("--slots, --prefill-chunk and --speculative-tokens must be >= 1")
+    if args.speculative_ngram < 0:
+        raise errors.ConfigError(f"--speculative-ngram must be >= 0 (0: off), not {args.speculative_ngram}")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:
         limits = ServeLimits(api_key=api_key, max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
@@ -348,7 +350,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(f"# serving {where} as {name!r} on http://{args.host}:{args.port} ({args.slots} slots of "
           f"{context} tokens)", file=sys.stderr)
     serve(model, tokenizer, host=args.host, port=args.port, model_name=name, num_slots=args.slots,
-          capacity=context, prefill_chunk=args.prefill_chunk, limits=limits)
+          capacity=context, prefill_chunk=args.prefill_chunk, limits=limits,
+          speculative_ngram=args.speculative_ngram, speculative_tokens=args.speculative_tokens)
     return 0
 
 
@@ -583,6 +586,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_MAX_MODEL_LEN}); the slots' KV cache is checked against the memory available")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
                    help="prompt tokens per prefill chunk between decode steps (default 512)")
+    p.add_argument("--speculative-ngram", type=int, default=0, metavar="N",
+                   help="prompt-lookup speculation for a request decoding alone: draft from the longest recurring "
+                        "suffix of up to N tokens of its prompt and output (default 0: off; docs/serving.md)")
+    p.add_argument("--speculative-tokens", type=int, default=4, metavar="K",
+                   help="draft tokens verified per speculative step (default 4)")
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: the one beside the checkpoint)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32"), help=INFERENCE_DTYPE_HELP)
     p.add_argument("--device", default="auto", help="auto (default: a GPU when there is one), cpu, cuda or cuda:N")

@@ -438,8 +438,8 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
 
 def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_name: str = "zaya",
           num_slots: int = 16, capacity: int | None = None, prefill_chunk: int = 512,
-          limits: ServeLimits | None = None) -> None:
-    """Run the server until SIGTERM / SIGINT (uvicorn). The signal stops new connections; requests still running
+          limits: ServeLimits | None = None, speculative_ngram: int = 0, speculative_tokens: int = 4) -> None:
+    """Run the server until SIGTERM / SIGINT (uvicorn); ``speculative_*``: the engine's prompt-lookup speculation. The signal stops new connections; requests still running
     ``limits.shutdown_timeout`` seconds later are stopped (a 503, or an error event ending the stream), and the
     server exits. A second SIGINT exits at once."""
     import uvicorn
@@ -451,7 +451,8 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_nam
     capacity = context_length(capacity, model.config.max_seq_len)
     try:  # the slots' memory is checked before any of it is allocated
         engine = Engine(model, num_slots=num_slots, capacity=capacity, prefill_chunk=prefill_chunk,
-                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+                        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                        speculative_ngram=speculative_ngram, speculative_tokens=speculative_tokens)
     except SlotMemoryError as exc:
         raise ConfigError(f"{exc.what}: pass fewer --slots (now {num_slots}) or a smaller --max-model-len (now "
                           f"{capacity}), the context each slot holds") from None
