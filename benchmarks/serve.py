@@ -1,9 +1,10 @@
 """Serving benchmarks: (1) greedy ``model.generate`` (the engine) against transformers' ``ZayaForCausalLM.generate``
 on the tiny shape, same weights, same run, with outputs checked against the greedy argmax of one forward pass;
 (2) a bounded loopback load test of ``zaya serve`` (a fixed number of streaming requests from a few concurrent
-clients); (3) KV + CCA state bytes per token against an MHA model of the same width, from the configs.
+clients); (3) KV + CCA state bytes per token against an MHA model of the same width, from the configs;
+(4) with ``--speculative``, only: prompt-lookup speculation at batch 1 against plain decoding (``bench_speculative``).
 
-Run: ``PYTHONPATH=src python benchmarks/serve.py [--threads 1] [--skip-load] [--quick]``
+Run: ``PYTHONPATH=src python benchmarks/serve.py [--threads 1] [--skip-load] [--quick] [--speculative]``
 """
 
 from __future__ import annotations
@@ -159,6 +160,35 @@ def bench_generate(batch: int, prompt: int, new: int, repeats: int) -> dict:
             "zaya_equals_hf": bool(torch.equal(seq, outs["hf"])), "repeats": repeats}
 
 
+def bench_speculative(passage: int, new: int, repeats: int, ngram: int = 3, tokens: int = 4) -> dict:
+    """Greedy tokens/s of one request on the engine with and without prompt-lookup speculation (``ngram``,
+    ``tokens``), interleaved, best of ``repeats``: the prompt is a random passage of ``passage`` tokens quoted twice,
+    so that its continuation repeats it; the two outputs must be the same."""
+    from zaya.serve.engine import Engine
+    from zaya.serve.request import Request
+    from zaya.serve.sampling import SamplingParams
+
+    model, _ = build_models(2 * passage + new + 8)
+    quote = torch.randint(3, model.config.vocab_size, (passage,), generator=torch.Generator().manual_seed(1)).tolist()
+    engines = {"plain": Engine(model, num_slots=1), "speculative": Engine(model, num_slots=1,
+                                                                         speculative_ngram=ngram,
+                                                                         speculative_tokens=tokens)}
+    times = {k: [] for k in engines}
+    outs = {}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, engine in engines.items():
+            t = time.perf_counter()
+            outs[name] = engine.run([Request(prompt=quote * 2, max_tokens=new, sampling=SamplingParams(temperature=0))])[0]
+            times[name].append(time.perf_counter() - t)
+    if outs["plain"].output != outs["speculative"].output:
+        raise SystemExit("speculation changed the greedy output")
+    spec = engines["speculative"]
+    plain_s, spec_s = min(times["plain"][1:]), min(times["speculative"][1:])
+    return {"mode": "speculative", "prompt": 2 * passage, "new_tokens": new, "ngram": ngram, "draft_tokens": tokens,
+            "plain_tok_s": new / plain_s, "speculative_tok_s": new / spec_s, "speedup": plain_s / spec_s,
+            "drafts_kept": spec.accepted / max(1, spec.drafted), "same_output": True, "repeats": repeats}
+
+
 async def _client(url: str, jobs: asyncio.Queue, prompt: list[int], max_tokens: int, stats: list) -> None:
     import httpx
 
@@ -255,8 +285,13 @@ def main() -> None:
     ap.add_argument("--skip-load", action="store_true")
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--quick", action="store_true", help="short runs (a smoke test of the script)")
+    ap.add_argument("--speculative", action="store_true", help="only the prompt-lookup speculation benchmark")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.speculative:
+        passage, new = (16, 16) if args.quick else (128, 256)
+        print(json.dumps(bench_speculative(passage, new, 1 if args.quick else args.repeats)), flush=True)
+        return
     print(json.dumps(state_bytes("configs/zaya1-base.toml")))
     print(json.dumps(state_bytes("configs/tiny.toml", context=256)))
     if not args.skip_generate:
