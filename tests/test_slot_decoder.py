@@ -47,6 +47,23 @@ def test_step_with_rows_at_different_positions_equals_the_forward(overrides):
         assert (logits[2] - model(seq[None, :n + 1]).logits[0, n]).abs().max() < 1e-5
 
 
+def test_a_prefill_after_decode_steps_sees_the_keys_they_wrote():
+    """Decode steps mark the keys they write valid, so a multi-token forward after them (speculative decoding's
+    check) attends to those positions: its logits equal the full forward's."""
+    model = tiny_model().eval()
+    perturb(model, seed=9)
+    seq = torch.randint(0, 97, (14,), generator=torch.Generator().manual_seed(5))
+    decoder = SlotDecoder(model, num_slots=2, capacity=16)
+    with torch.no_grad():
+        decoder.reset(0, 2)
+        decoder.prefill(0, seq[:6], 0)
+        for p in range(6, 9):
+            decoder.step(seq[p:p + 1], torch.tensor([p]), keys=p + 1)
+        logits = decoder.prefill(0, seq[9:14], 9, all_logits=True)[0]
+        full = model(seq[None]).logits[0]
+    assert (logits - full[9:14]).abs().max() < 1e-5  # fp32, a different rounding order (as above)
+
+
 @pytest.mark.parametrize("overrides", MODEL_VARIANTS[:2])
 def test_aligned_step_without_a_mask_equals_the_forward(overrides):
     """``aligned``: every row at the same position (a fixed batch without padding), so the step drops the mask."""

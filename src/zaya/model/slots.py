@@ -240,6 +240,9 @@ class SlotDecoder:
         if keys > self.capacity:
             raise ValueError(f"slot holds {self.capacity} positions; a step needs {keys}")
         write = positions if idle is None else torch.where(idle, self.capacity, positions)
+        # the keys this step writes are valid for a later multi-token forward (prefill after decoding, speculation);
+        # idle rows mark the scratch column, which no view includes
+        self.key_valid[self._rows[:n], write] = True
         # may attend: keys up to the row's own position (idle rows: anything; their output is unused)
         mask = None
         if not aligned or idle is not None:

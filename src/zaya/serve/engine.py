@@ -347,8 +347,6 @@ class Engine:
         start = len(r.prompt) + len(r.output) - 1
         try:
             snapshot = CcaSnapshot(self.decoder, a.slot)
-            # the decode step attends by position and marks no keys valid; the forward reads the marks
-            self.decoder.key_valid[a.slot, :start] = True
             logits = self.decoder.prefill(a.slot, torch.tensor(fed, device=self.device), start,
                                           all_logits=True)[0].float()
             kept = self._verify(a, logits, draft)
