@@ -112,3 +112,15 @@ def test_zaya_serve_refuses_bad_speculation_flags(capsys):
         assert main(["serve", "--checkpoint", "unused", *flags]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+
+
+def test_metrics_export_the_draft_and_kept_counts():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from zaya.serve.metrics import ServeMetrics
+
+    (_,), engine = _run([dict(prompt=[5, 6, 7, 8] * 6, max_tokens=30, sampling=GREEDY)], 3)
+    samples = {s.name: s.value for family in text_string_to_metric_families(
+        ServeMetrics(engine).exposition().decode()) for s in family.samples}
+    assert samples["zaya_spec_decode_draft_tokens_total"] == engine.drafted > 0
+    assert samples["zaya_spec_decode_accepted_tokens_total"] == engine.accepted > 0

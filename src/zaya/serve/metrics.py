@@ -22,6 +22,7 @@ import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from zaya.serve.engine import Engine
 from zaya.serve.request import Request
@@ -64,6 +65,8 @@ class ServeMetrics:
             lambda: engine.occupancy()[2])
         Gauge("zaya_kv_cache_capacity_tokens", "Tokens the slots' KV caches can hold (--slots x --max-model-len).",
               registry=r).set(engine.num_slots * engine.capacity)
+
+        r.register(_SpeculationCounters(engine))
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -125,3 +128,17 @@ class _Clock:
         if r.error:
             line += f" error={json.dumps(r.error)}"
         log.info(line)
+
+
+class _SpeculationCounters:
+    """Prompt-lookup speculation's draft tokens verified and kept (``Engine.drafted`` / ``accepted``, 0 without
+    ``--speculative-ngram``), read from the engine when scraped; kept / verified is the acceptance rate."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        yield CounterMetricFamily("zaya_spec_decode_draft_tokens", "Draft tokens verified by speculative decoding.",
+                                  value=self.engine.drafted)
+        yield CounterMetricFamily("zaya_spec_decode_accepted_tokens", "Draft tokens speculative decoding kept.",
+                                  value=self.engine.accepted)
