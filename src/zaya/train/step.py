@@ -75,9 +75,10 @@ class TrainStep:
         self.config, self.runtime, self.parallel, self.optimizers = config, runtime, parallel, optimizers
         self.probe, self.stop_request, self.store = probe, stop_request, store
         self.count_shape = (config.model.num_layers, config.model.num_router_classes)
+        self.dtype = compute_dtype(config.train.dtype, runtime.device)  # "auto" resolved once, not per step
 
     def __call__(self, batches: list) -> StepValues:
-        rt, model, dtype = self.runtime, self.parallel.model, compute_dtype(self.config.train.dtype, self.runtime.device)
+        rt, model, dtype = self.runtime, self.parallel.model, self.dtype
         totals = StepTotals(rt.device, self.count_shape, 0 if self.probe is None else self.probe.num_values)
         if self.probe is not None:
             # First, with the weights and biases the last step left (and before any backward: FSDP2 wants no
