@@ -95,7 +95,9 @@ def test_supervised_run_recovers_from_kill_hang_and_nan_and_ignores_a_short_stal
         ("rank_exited", "restart", 0), ("hang", "restart", 1), ("nonfinite", "rewind", 2)], acted
     kill, hang, nan = acted
     assert kill["rank"] == 1 and "SIGKILL" in kill["evidence"][0]
-    assert hang["rank"] == 0 and "process stopped" in hang["evidence"][0] and hang["time_to_detect_s"] >= 5
+    # Detected once a heartbeat passed the 5 s timeout: the peer's, waiting in a collective, or the stopped rank's
+    # own; timed from the stopped rank's last beat, which may be a few ms after the peer's (4.995 s seen in CI).
+    assert hang["rank"] == 0 and "process stopped" in hang["evidence"][0] and hang["time_to_detect_s"] >= 4.5
     assert nan["step"] == 13 and nan["relaunch_resume"].endswith("step-00000012")
     assert all(e["outcome"] == "recovered" and e["time_to_recover_s"] > 0 for e in acted), acted
     # from RAM when the newest disk checkpoint is mirrored there; disk when the fault caught a save in flight
