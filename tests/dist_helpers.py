@@ -12,6 +12,7 @@ a second instead of importing them (seconds of CPU per rank on 2 cores).
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -40,6 +41,23 @@ PRELOAD = ["torch", "torch.distributed", "pytest", "zaya.core.errors", "zaya.tra
 
 
 def free_port() -> int:
+    """A port no socket holds now, chosen below the kernel's ephemeral range: a port from ``bind(0)`` is an
+    ephemeral one, which a client connection made before the ranks listen may take as its own local port
+    (EADDRINUSE at a TCPStore, seen once in a fresh-clone run)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:
+            low = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    choose = random.Random()
+    for _ in range(100):
+        port = choose.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
