@@ -219,3 +219,38 @@ def test_the_worker_finishes_every_request_it_takes():
         wait(r)
         assert r.finish_reason in ("abort", "length")
     assert late.finish_reason == "abort" and any(r.finish_reason == "abort" for r in running)
+
+
+class _EvenTokens:
+    """A constraint that allows only even token ids, and records what it was told."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.masked_fill(torch.arange(logits.shape[-1]) % 2 == 1, float("-inf"))
+
+    def accept(self, token: int) -> None:
+        self.accepted.append(token)
+
+
+def test_a_constraint_restricts_only_its_own_request():
+    """The engine masks a constrained request's logits before it samples (greedy included), tells the constraint
+    every token it takes, and never speculates it; an unconstrained request beside it is untouched."""
+    model = served_model()
+    constraint = _EvenTokens()
+    plain = Request(prompt=_prompt(7, 2), max_tokens=12, sampling=SamplingParams(temperature=0))
+    constrained = [Request(prompt=_prompt(7, 1), max_tokens=12, sampling=SamplingParams(temperature=0),
+                           constraint=constraint),
+                   Request(prompt=_prompt(7, 1), max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=3),
+                           constraint=_EvenTokens())]
+    engine = Engine(model, num_slots=3, capacity=64, speculative_ngram=2)
+    engine.run([plain, *constrained])
+    for r in constrained:
+        assert len(r.output) == 12 and all(t % 2 == 0 for t in r.output)
+        assert r.constraint.accepted == r.output
+    free = Engine(model, num_slots=1, capacity=64).run([Request(prompt=_prompt(7, 1), max_tokens=12,
+                                                                 sampling=SamplingParams(temperature=0))])[0]
+    assert any(t % 2 for t in free.output)  # the mask changed something
+    assert plain.output == Engine(model, num_slots=1, capacity=64).run(
+        [Request(prompt=_prompt(7, 2), max_tokens=12, sampling=SamplingParams(temperature=0))])[0].output

@@ -9,7 +9,8 @@ plus the CCA convolution and value-shift state, allocated once). ``submit`` queu
    chunk of a long one), so a long prompt delays the running streams by one chunk per step, not by its length;
 3. runs one decode step over every decoding slot: one forward with one token per row, each at its own position;
 4. samples every request that got logits (per-request temperature / top-k / top-p / repetition, presence and
-   frequency penalties / seed; log-probabilities stay those of the raw logits),
+   frequency penalties / seed, then the request's ``constraint`` (structured output) if it has one;
+   log-probabilities stay those of the raw logits),
    reads the sampled ids back to the host (the step's one read, with the log-probabilities when asked for), and
    applies eos, stop strings and max_tokens. A finished request frees its slot at once; the next step can give it
    to a waiting request (requests join and leave between steps).
@@ -200,7 +201,8 @@ class Engine:
             else:
                 sample.append((active, logits))
         decoding = [a for a in self.slots if a is not None and a.next_token is not None]
-        if self.speculative_ngram and len(decoding) == 1 and not sample and not self._prefill_order:
+        if (self.speculative_ngram and len(decoding) == 1 and not sample and not self._prefill_order
+                and decoding[0].request.constraint is None):
             draft = self._draft(decoding[0])
             if draft:
                 changed += self._speculate(decoding[0], draft)
@@ -293,7 +295,7 @@ class Engine:
         logits = torch.stack([l for _, l in rows]).float()
         actives = [a for a, _ in rows]
         changed: list[Request] = []
-        if all(a.request.sampling.greedy for a in actives):
+        if all(a.request.sampling.greedy and a.request.constraint is None for a in actives):
             tokens = logits.argmax(dim=-1)
         else:
             picked = []
@@ -305,6 +307,8 @@ class Engine:
                         row = apply_repetition_penalty(row, a.seen[None], p.repetition_penalty)
                     if a.counts is not None:
                         row = apply_output_penalties(row, a.counts[None], p.presence_penalty, p.frequency_penalty)
+                    if a.request.constraint is not None:
+                        row = a.request.constraint.mask(row)
                     picked.append(sample_next(row, p.temperature, p.top_k or None, p.top_p, a.generator))
                 except Exception as exc:  # noqa: BLE001 - this request's failure, not the others'
                     self.fail(a.request, "sampling", exc)
@@ -390,6 +394,8 @@ class Engine:
     def _take(self, a: _Active, token: int, logprobs: tuple | None) -> None:
         """Apply one sampled ``token`` to ``a``'s request: eos, output, log-probabilities, stop strings, length."""
         r = a.request
+        if r.constraint is not None:
+            r.constraint.accept(token)
         if a.seen is not None:
             a.seen[token] = True
         if a.counts is not None:

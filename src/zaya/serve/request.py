@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
 
 from zaya.serve.sampling import SamplingParams
 
@@ -22,6 +25,18 @@ class TokenLogprob:
     token: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class TokenConstraint(Protocol):
+    """What a request may sample next (structured output, ``zaya.serve.structured``). The engine calls ``mask``
+    on the request's processed logits before it samples, and ``accept`` with every token it takes (eos included);
+    an exception from either fails that request alone."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [1, V] with every token the constraint forbids now set to -inf."""
+
+    def accept(self, token: int) -> None:
+        """Advance past ``token`` (one ``mask`` allowed)."""
 
 
 @dataclass
@@ -40,6 +55,8 @@ class Request:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    constraint: TokenConstraint | None = None
+    """Restricts the tokens sampled (structured output); such a request is never speculated."""
     id: int = field(default_factory=lambda: next(_ids))
 
     # ---- progress, written by the engine ----
