@@ -4,7 +4,7 @@ peak FLOP/s that MFU is measured against (``device_peak_flops``).
 Constants that depend on the machine (the Newton-Schulz block size on CPU, the row chunk of the fused
 cross-entropy, the peak FLOP/s MFU is measured against, the DDP gradient bucket size) used to live as literals in
 the modules that use them. They now come from a ``HardwareProfile``: the defaults below (what those literals were,
-measured on the 2-core AMD EPYC development VM, benchmarks/results.md) unless ``zaya tune gemm`` / ``zaya tune
+measured on the 2-core AMD EPYC development VM, benchmarks/results.md; the loss chunk by device kind) unless ``zaya tune gemm`` / ``zaya tune
 comm`` have written a profile for this device, which is then read once per process.
 
 Where profiles live: ``$ZAYA_HARDWARE_PROFILE`` (one file, used for every device; an explicit choice, so a missing
@@ -40,6 +40,10 @@ DATASHEET_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "MI300X"
                         "MI250X": 383e12, "L40S": 362e12, "A10G": 125e12, "B200": 2250e12}
 
 
+CPU_LOSS_CHUNK_ELEMENTS = 1 << 19
+GPU_LOSS_CHUNK_ELEMENTS = 1 << 28
+
+
 @dataclass
 class HardwareProfile:
     """What zaya knows about one device; every field has the default used when nothing was measured."""
@@ -57,8 +61,12 @@ class HardwareProfile:
     """CPU Newton-Schulz: at most this many row blocks per matrix."""
     muon_cpu_small: int = 256
     """CPU Newton-Schulz: matrices with a side below this run batched (unblocked) matmuls."""
-    loss_chunk_elements: int = 1 << 19
-    """Fused cross-entropy: fp32 elements per row chunk of the logits (2 MB: about the L2 of the development CPU)."""
+    loss_chunk_elements: int = CPU_LOSS_CHUNK_ELEMENTS
+    """Fused cross-entropy: fp32 elements per row chunk of the logits. Default by device kind
+    (``default_profile``): on a CPU 2^19 (2 MB, about the L2 of the development CPU: the chunk stays in cache between
+    its passes); on a GPU 2^28 (1 GiB, each of the loss's two reused fp32 buffers): sized by memory, not by a cache,
+    so that each chunk's kernels run long against their launches (1,023 rows at a 262,272 vocabulary, 17 chunks
+    per 16k-token micro-batch, where 2^19 made 1,024)."""
     ddp_bucket_mb: float = 25.0
     """DDP / ZeRO-1 gradient bucket size in MiB (``bucket_cap_mb``; 25 is torch's default)."""
     fsdp_reshard_after_forward: bool = True
@@ -77,6 +85,14 @@ class HardwareProfile:
         data = asdict(self)
         data.pop("path")
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+def default_profile(device: torch.device | str) -> HardwareProfile:
+    """The profile of ``device`` when nothing was measured: the field defaults, with the loss chunk of its kind
+    (a CPU's, or a GPU's for every other device)."""
+    if torch.device(device).type == "cpu":
+        return HardwareProfile()
+    return HardwareProfile(loss_chunk_elements=GPU_LOSS_CHUNK_ELEMENTS)
 
 
 _FIELDS = {f.name for f in fields(HardwareProfile)} - {"path"}
@@ -217,7 +233,7 @@ def load_profile(device: torch.device | str = "cpu", cache_dir: str | Path | Non
     elif os.environ.get(PROFILE_ENV):
         raise ConfigError(f"${PROFILE_ENV}={path}: no such file; unset it or write one with `zaya tune gemm`")
     else:
-        profile = HardwareProfile()
+        profile = default_profile(device)
     _CACHE[key] = profile
     return profile
 

@@ -11,7 +11,8 @@ targets' entries, the backward recomputes its softmax and turns it into ``(softm
 straight into the gradient in the logits' dtype.
 
 The chunk holds the device's hardware profile's ``loss_chunk_elements`` fp32 values (``zaya.core.hardware``;
-default 2^19 = 2 MB, about the L2 of the development CPU), read once per forward and once per backward.
+by default 2^19 = 2 MB on a CPU, about the L2 of the development CPU, and 2^28 = 1 GiB on a GPU, where a small
+chunk would make the loop launch-bound), read once per forward and once per backward.
 """
 
 from __future__ import annotations
@@ -28,9 +29,13 @@ CHUNK_ELEMENTS: int | None = None  # fp32 elements per row chunk if set (tests);
 MIN_CHUNK_ROWS = 16
 
 
-def _chunk_rows(vocab: int, device: torch.device) -> int:
-    elements = CHUNK_ELEMENTS or load_profile(device).loss_chunk_elements
+def chunk_rows(vocab: int, elements: int) -> int:
+    """Rows of a ``vocab``-wide chunk of ``elements`` fp32 values (at least ``MIN_CHUNK_ROWS``)."""
     return max(MIN_CHUNK_ROWS, elements // max(vocab, 1))
+
+
+def _chunk_rows(vocab: int, device: torch.device) -> int:
+    return chunk_rows(vocab, CHUNK_ELEMENTS or load_profile(device).loss_chunk_elements)
 
 
 def _chunks(n: int, vocab: int, device: torch.device):
