@@ -124,7 +124,7 @@ def _scaled_sum_grads(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, s
     if not (need_x or need_bias or need_scale):
         return grad_x, grad_bias, grad_scale
     dims = tuple(range(grad.dim() - 1))
-    sum_dtype = torch.result_type(x, bias)
+    sum_dtype = torch.promote_types(x.dtype, bias.dtype)
     g = grad.to(torch.promote_types(sum_dtype, scale.dtype))
     if need_x or need_bias:
         gs = (g * scale).to(sum_dtype)
@@ -136,14 +136,16 @@ def _scaled_sum_grads(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, s
 
 
 def _mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a * b``, in place into the temporary ``a`` when that keeps the promoted dtype."""
-    return a.mul_(b) if a.dtype == torch.result_type(a, b) and a.shape == torch.broadcast_shapes(a.shape, b.shape) \
-        else a * b
+    """``a * b``, in place into the temporary ``a`` when that keeps the promoted dtype. (Dtypes by
+    ``promote_types``, which torch.compile traces, rather than ``result_type``: no operand here is 0-dim, where
+    the two differ.)"""
+    keeps = a.dtype == torch.promote_types(a.dtype, b.dtype) and a.shape == torch.broadcast_shapes(a.shape, b.shape)
+    return a.mul_(b) if keeps else a * b
 
 
 def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a + b`` (commutative, so bitwise the same either way), in place into whichever temporary can hold it."""
-    dtype, shape = torch.result_type(a, b), torch.broadcast_shapes(a.shape, b.shape)
+    dtype, shape = torch.promote_types(a.dtype, b.dtype), torch.broadcast_shapes(a.shape, b.shape)
     for t, other in ((a, b), (b, a)):
         if t.dtype == dtype and t.shape == shape:
             return t.add_(other)

@@ -44,7 +44,7 @@ from zaya.model.router import build_router
 
 
 class _DispatchRows(torch.autograd.Function):
-    """``x[tokens]``: gather the (token, slot) assignments in expert order, rows ``[M, D]``.
+    """``x[dest // k]``: gather the (token, slot) assignments in expert order, rows ``[M, D]``.
 
     ``dest`` holds each sorted row's flat assignment index ``token * k + slot``. The backward writes every row's
     gradient to its assignment (``index_copy_``, the indices are distinct, so no accumulating scatter) and sums a
@@ -54,11 +54,11 @@ class _DispatchRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, k: int,  # noqa: D102
+    def forward(ctx, x: torch.Tensor, dest: torch.Tensor, k: int,  # noqa: D102
                 skipped: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(dest, skipped)
         ctx.n, ctx.k = x.shape[0], k
-        return x.index_select(0, tokens)
+        return x.index_select(0, dest // k if k > 1 else dest)
 
     @staticmethod
     @once_differentiable
@@ -70,7 +70,7 @@ class _DispatchRows(torch.autograd.Function):
         full.index_copy_(0, dest, grad)
         if skipped is not None:
             full.masked_fill_(skipped[:, None], 0)
-        return (full.view(ctx.n, ctx.k, -1).sum(1) if ctx.k > 1 else full), None, None, None, None
+        return (full.view(ctx.n, ctx.k, -1).sum(1) if ctx.k > 1 else full), None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
@@ -122,6 +122,9 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         (h,) = ctx.saved_tensors
         gate, up = h.chunk(2, dim=-1)
+        if torch.compiler.is_compiling():
+            # dynamo traces no out= into a strided view; the same products, concatenated (inductor fuses them).
+            return torch.cat((torch.ops.aten.silu_backward(grad * up, gate), F.silu(gate) * grad), dim=-1)
         grad_h = torch.empty_like(h)
         grad_gate, grad_up = grad_h.chunk(2, dim=-1)
         torch.ops.aten.silu.out(gate, out=grad_up)
@@ -129,6 +132,28 @@ class _SwiGLU(torch.autograd.Function):
         torch.mul(grad, up, out=grad_gate)
         torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         return grad_h
+
+
+@torch.library.custom_op("zaya::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm(a, b, offs=offsets)`` as an opaque op for ``torch.compile``: aten's own grouped_mm has no
+    fake-tensor kernel for fp32 on the CPU, so dynamo cannot trace it there; this op's fake says only the shape."""
+    return F.grouped_mm(a, b, offs=offsets)
+
+
+@_grouped_mm_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:  # [M, K] x [E, K, N] -> [M, N]
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offsets.shape[0], a.shape[0], b.shape[1])  # [K, M] x [M, N] grouped over M -> [E, K, N]
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm`` with int32 cumulative row ``offsets``; under ``torch.compile`` in a dtype whose aten fake
+    kernel is missing (fp32), through ``zaya::grouped_mm``. Eager calls aten directly (no custom-op dispatch)."""
+    if torch.compiler.is_compiling() and a.dtype != torch.bfloat16:
+        return _grouped_mm_op(a, b, offsets)
+    return F.grouped_mm(a, b, offs=offsets)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -146,7 +171,7 @@ class _GroupedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,  # noqa: D102
                 empty: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight, offsets, empty)
-        out = F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        out = _grouped_mm(x, weight.transpose(-2, -1), offsets)
         return out if tail is None else out.masked_fill_(tail[:, None], 0)
 
     @staticmethod
@@ -155,10 +180,10 @@ class _GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         x, weight, offsets, empty = ctx.saved_tensors
         grad = grad.contiguous()
-        grad_x = F.grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_x = _grouped_mm(grad, weight, offsets) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = F.grouped_mm(grad.t(), x, offs=offsets).masked_fill_(empty[:, None, None], 0)
+            grad_w = _grouped_mm(grad.t(), x, offsets).masked_fill_(empty[:, None, None], 0)
         return grad_x, grad_w, None, None, None
 
 
@@ -244,8 +269,7 @@ class Experts(nn.Module):
             tail = torch.arange(flat.numel(), device=flat.device) >= offsets[-1]  # sorted rows past the experts'
             skipped = flat >= e  # the same assignments, in assignment order
         empty = counts == 0
-        tokens = order // k if k > 1 else order
-        xs = _DispatchRows.apply(x, tokens, order, k, skipped).to(dtype)
+        xs = _DispatchRows.apply(x, order, k, skipped).to(dtype)
         h = _GroupedLinear.apply(xs, self.gate_up_proj.to(dtype), offsets, empty, None)
         y = _GroupedLinear.apply(_SwiGLU.apply(h), self.down_proj.to(dtype), offsets, empty, tail)
         out = _CombineRows.apply(y, weights.reshape(-1).to(dtype), order)
@@ -265,8 +289,7 @@ class Experts(nn.Module):
             anchor = anchor + weights.sum().to(dtype) * 0
             return x.new_zeros(n, self.hidden_size, dtype=dtype) + anchor
         dest = order[:routed]  # the skip class sorts last and is cut
-        tokens = dest // k if k > 1 else dest
-        xs = _DispatchRows.apply(x, tokens, dest, k, None).to(dtype)
+        xs = _DispatchRows.apply(x, dest, k, None).to(dtype)
         h = _loop_linear(xs, self.gate_up_proj.to(dtype), host_counts)
         y = _loop_linear(_SwiGLU.apply(h), self.down_proj.to(dtype), host_counts)
         out = _CombineRows.apply(y, weights.reshape(-1).to(dtype), dest)

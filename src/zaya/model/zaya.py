@@ -76,10 +76,11 @@ class Block(nn.Module):
         h = self.moe_norm(x.to(self.moe_norm.weight.dtype))
         m, latent, counts, aux = self.moe(h, prev_latent, token_mask)
         x = self._join(self.moe_residual(m, x))
-        if latent is not None and latent._is_view():
+        if latent is not None and (torch.compiler.is_compiling() or latent._is_view()):
             # A block's outputs cross FSDP2 unit boundaries, and FSDP2 warns about (and can lose the backward hook
             # of) an output that is a view; the first layer's latent is the down projection's reshaped output.
-            # The copy is [B, T, router_hidden_size], small next to the residual stream.
+            # The copy is [B, T, router_hidden_size], small next to the residual stream. Compiled, it is always
+            # made (dynamo cannot ask whether a traced tensor is a view; inductor writes the copy as it computes).
             latent = latent.clone()
         return x, latent, counts, aux
 
