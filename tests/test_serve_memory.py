@@ -27,12 +27,12 @@ def test_bytes_needed_is_what_a_decoder_allocates():
     from zaya.model.slots import SlotDecoder
 
     model = served_model(vocab_size=512, max_seq_len=64)
-    for dtype in (None, torch.bfloat16):
-        decoder = SlotDecoder(model, 3, 50, dtype)
-        held = decoder.key_valid.nbytes + decoder._key_index.nbytes + sum(
-            t.nbytes for c in decoder.caches for t in (c.keys, c.values, c.conv_state, c.value_state)
-            if t is not None)
-        assert SlotDecoder.bytes_needed(model, 3, 50, dtype) == held
+    for dtype, blocks, states in ((None, None, False), (torch.bfloat16, 7, True)):
+        decoder = SlotDecoder(model, 3, 50, dtype, block_size=8, num_blocks=blocks, prefix_states=states)
+        held = decoder.key_valid.nbytes + decoder._key_index.nbytes + decoder.table.nbytes + sum(
+            t.nbytes for c in decoder.caches for t in (c.conv_state, c.value_state) if t is not None) + sum(
+            t.nbytes for p in decoder.pages for t in (p.keys, p.values, p.conv, p.value) if t is not None)
+        assert SlotDecoder.bytes_needed(model, 3, 50, dtype, 8, blocks, states) == held
 
 
 def test_slots_that_do_not_fit_are_refused_before_anything_is_allocated(monkeypatch):

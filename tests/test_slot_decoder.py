@@ -12,15 +12,20 @@ from zaya.model.slots import SlotDecoder
 
 @pytest.mark.parametrize("overrides", MODEL_VARIANTS)
 def test_step_with_rows_at_different_positions_equals_the_forward(overrides):
+    """Blocks of 3 tokens: prefills and steps cross block boundaries (a chunk of 4 spans two blocks), and a slot's
+    blocks are not contiguous in the pool (the slots take them in turn)."""
     model = tiny_model(**overrides).eval()
     perturb(model, seed=7)
     lengths = [3, 11, 6, 8]  # prompt length per slot; slot 2 stays idle during the steps below
     seqs = [torch.randint(0, 97, (n + 4,), generator=torch.Generator().manual_seed(i)) for i, n in enumerate(lengths)]
-    decoder = SlotDecoder(model, num_slots=4, capacity=24)
+    decoder = SlotDecoder(model, num_slots=4, capacity=24, block_size=3)
     with torch.no_grad():
         for slot, (n, seq) in enumerate(zip(lengths, seqs)):
             decoder.reset(slot)
+            decoder.ensure(slot, 2)
+        for slot, (n, seq) in enumerate(zip(lengths, seqs)):
             decoder.prefill(slot, seq[:n], 0, chunk=4)
+            decoder.ensure(slot, n + 4)
         idle = torch.tensor([False, False, True, False])
         idle_state = [(c.conv_state[2].clone(), c.value_state[2].clone()) if c.conv_state is not None else None
                       for c in decoder.caches]
@@ -53,10 +58,11 @@ def test_a_prefill_after_decode_steps_sees_the_keys_they_wrote():
     model = tiny_model().eval()
     perturb(model, seed=9)
     seq = torch.randint(0, 97, (14,), generator=torch.Generator().manual_seed(5))
-    decoder = SlotDecoder(model, num_slots=2, capacity=16)
+    decoder = SlotDecoder(model, num_slots=2, capacity=16, block_size=4)
     with torch.no_grad():
         decoder.reset(0, 2)
         decoder.prefill(0, seq[:6], 0)
+        decoder.ensure(0, 9)
         for p in range(6, 9):
             decoder.step(seq[p:p + 1], torch.tensor([p]), keys=p + 1)
         logits = decoder.prefill(0, seq[9:14], 9, all_logits=True)[0]

@@ -61,12 +61,12 @@ class _GradientInWeightStrides(torch.autograd.Function):
 
 @dataclass
 class AttentionCache:
-    """Decode state of one attention layer. KV buffers are preallocated to ``capacity`` positions."""
+    """Decode state of one attention layer: KV buffers preallocated to ``capacity`` positions, or ``pages``."""
 
-    keys: torch.Tensor
-    """[B, kv_heads, capacity, head_dim], post-norm, post-RoPE keys."""
-    values: torch.Tensor
-    """[B, kv_heads, capacity, head_dim]."""
+    keys: torch.Tensor | None
+    """[B, kv_heads, capacity, head_dim], post-norm, post-RoPE keys (None when ``pages`` holds them)."""
+    values: torch.Tensor | None
+    """[B, kv_heads, capacity, head_dim] (None when ``pages`` holds them)."""
     conv_state: torch.Tensor | None = None
     """CCA: [B, q+k channels, conv reach] raw q/k projections of the last positions (zeros before the start)."""
     value_state: torch.Tensor | None = None
@@ -74,6 +74,8 @@ class AttentionCache:
     shard: KeyShard | None = None
     """Set when this process holds only a part of the sequence's cached keys (tree-attention decoding,
     ``zaya.serve.tree``): the shard appends and attends in place of the local cache path."""
+    pages: KeyPages | None = None
+    """Set when the keys and values live in fixed-size blocks shared by many sequences (``zaya.model.slots``)."""
 
 
 class KeyShard(Protocol):
@@ -85,6 +87,20 @@ class KeyShard(Protocol):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: AttentionCache,
                cache_start: int) -> torch.Tensor: ...
+
+
+class KeyPages(Protocol):
+    """Keys and values of a batch of sequences kept in blocks of a shared pool (paged memory) rather than in
+    per-sequence buffers: the cached forward hands each layer's new entries here and attends over what comes back.
+
+    ``write_read`` stores the new post-RoPE keys/values [B, Hkv, T, D] at positions ``[start, start + T)`` and
+    returns every cached position's [B, Hkv, start + T, D]. ``save_state`` sees the CCA layer's convolution input
+    with its history (``window`` [B, C, reach + T], the positions ``start - reach .. start + T - 1``) and delayed
+    values (``delayed`` [B, T, W]), so the state at a block's end can be kept with the block (prefix caching)."""
+
+    def write_read(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def save_state(self, window: torch.Tensor, delayed: torch.Tensor, start: int) -> None: ...
 
 
 def _scaled_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -206,7 +222,8 @@ class Attention(nn.Module):
         self.seam: SequenceSeam = LOCAL_SEQUENCE
 
     # ----------------------------------------------------------------------------------------------- projections
-    def _cca_qkv(self, x: torch.Tensor, cache: AttentionCache | None) -> tuple[torch.Tensor, ...]:
+    def _cca_qkv(self, x: torch.Tensor, cache: AttentionCache | None,
+                 cache_start: int = 0) -> tuple[torch.Tensor, ...]:
         b, t, _ = x.shape
         hq, hk, hd = self.num_query_heads, self.num_kv_heads, self.head_dim
         # One GEMM for the four projections (one cast of x under autocast, one input gradient); the q and k
@@ -240,7 +257,10 @@ class Attention(nn.Module):
         if cache is not None:
             # In place (after the reads above: history and first may alias the state): the cache's tensors may be
             # views into a serving engine's slot buffers (zaya.model.slots).
-            cache.conv_state.copy_(torch.cat((history, packed), dim=-1)[..., -self.conv_reach:])
+            window = torch.cat((history, packed), dim=-1)
+            if cache.pages is not None:
+                cache.pages.save_state(window, v_delayed, cache_start)
+            cache.conv_state.copy_(window[..., -self.conv_reach:])
             cache.value_state.copy_(v_delayed[:, -1])
 
         # QK-norm to length sqrt(d); the per-KV-head temperature scales the keys. Under CUDA autocast the norm runs in
@@ -298,7 +318,7 @@ class Attention(nn.Module):
         if token_mask is not None and self.kind == "cca":
             x = x * token_mask[..., None].to(x.dtype)
         if self.kind == "cca":
-            q, k, v = self._cca_qkv(x, cache)
+            q, k, v = self._cca_qkv(x, cache, cache_start)
         else:
             q, k, v = self._plain_qkv(x)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
@@ -311,14 +331,17 @@ class Attention(nn.Module):
             out = cache.shard.attend(q, k, v, cache, cache_start)
             return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
         causal = cache is None
-        if cache is not None:
+        if cache is not None and cache.pages is not None:
+            k, v = cache.pages.write_read(k, v, cache_start)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        elif cache is not None:
             end = cache_start + x.shape[1]
             cache.keys[:, :, cache_start:end] = k.to(cache.keys.dtype)
             cache.values[:, :, cache_start:end] = v.to(cache.values.dtype)
             k = cache.keys[:, :, :end].to(q.dtype)
             v = cache.values[:, :, :end].to(q.dtype)
-            if attn_mask is None and x.shape[1] > 1:
-                raise ValueError("multi-token forward with a cache needs an explicit attn_mask")
+        if cache is not None and attn_mask is None and x.shape[1] > 1:
+            raise ValueError("multi-token forward with a cache needs an explicit attn_mask")
         if cache is None and attn_mask is None:
             out = self.seam.attend(q, k, v, documents)
         else:
@@ -333,13 +356,18 @@ class Attention(nn.Module):
     def new_cache(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> AttentionCache:
         """Empty decode state for ``batch`` sequences of up to ``capacity`` tokens."""
         shape = (batch, self.num_kv_heads, capacity, self.head_dim)
-        cache = AttentionCache(keys=torch.zeros(shape, dtype=dtype, device=device),
-                               values=torch.zeros(shape, dtype=dtype, device=device))
-        if self.kind == "cca":
-            channels = self.conv_depthwise.in_channels
-            cache.conv_state = torch.zeros(batch, channels, self.conv_reach, dtype=dtype, device=device)
-            cache.value_state = torch.zeros(batch, self.v_previous_proj.out_features, dtype=dtype, device=device)
-        return cache
+        return AttentionCache(keys=torch.zeros(shape, dtype=dtype, device=device),
+                              values=torch.zeros(shape, dtype=dtype, device=device),
+                              **self.new_cca_state(batch, dtype, device))
+
+    def new_cca_state(self, batch: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """The CCA layer's running decode state for ``batch`` sequences (``conv_state``, ``value_state``: zeros,
+        nothing before the start); {} for plain attention."""
+        if self.kind != "cca":
+            return {}
+        return {"conv_state": torch.zeros(batch, self.conv_depthwise.in_channels, self.conv_reach, dtype=dtype,
+                                          device=device),
+                "value_state": torch.zeros(batch, self.v_previous_proj.out_features, dtype=dtype, device=device)}
 
     @torch.no_grad()
     def reset_parameters(self, std: float, out_std: float) -> None:

@@ -1,17 +1,20 @@
 """Slot-based decode state for many independent sequences, and the batched one-token decode step over them.
 
 This is the model half of the serving engine (``zaya.serve.engine`` schedules requests onto slots; ``zaya.serve.generate``
-runs on the same engine). A ``SlotDecoder`` owns, per layer, a KV cache of ``num_slots`` rows of ``capacity``
-positions plus the CCA convolution and value-shift state of every row, allocated once and reused by every request
-that takes the slot (nothing is re-allocated per request or per token).
+runs on the same engine). A ``SlotDecoder`` holds the keys and values of every slot in one pool of fixed-size
+blocks per layer (paged memory: a slot's block table maps its positions to pool rows, and blocks are handed out as
+its tokens arrive, so memory follows the tokens in flight, not slots x context), and per slot the CCA convolution
+and value-shift state. Blocks are host-side bookkeeping (``zaya.model.blocks``); a block that ends a cached prompt
+prefix may be shared by several slots, with the CCA state after its last token kept beside it (prefix caching,
+``zaya.serve.prefix_cache``).
 
 Why slots rather than one ``DecodeState`` per batch: sequences join and leave between steps (continuous batching),
 each at its own length. A prefill writes one slot (or a block of slots) through the ordinary cached forward, on a
-``DecodeState`` whose tensors are views into the slot buffers, in chunks of any size. A decode step feeds one token
-to each of the rows ``[0, n)`` at that row's own position: RoPE, the KV write and the attention mask are per row,
-so rows of different lengths share one forward. Rows in that range that are not decoding (free, or half-way
-through a chunked prefill) are "idle": their KV write goes to a scratch column past ``capacity`` that no query ever
-sees, and their CCA state is kept (``torch.where``), so a step never disturbs them.
+``DecodeState`` whose CCA tensors are views into the slot buffers and whose pages write into the pool, in chunks
+of any size. A decode step feeds one token to each of the rows ``[0, n)`` at that row's own position: RoPE, the KV
+write and the attention mask are per row, so rows of different lengths share one forward. Rows in that range that
+are not decoding (free, or half-way through a chunked prefill) are "idle": their KV write goes to the null block
+that no row in use reads, and their CCA state is kept (``torch.where``), so a step never disturbs them.
 
 The decode step is a leaner copy of the forward for one token per row, because at one token the time goes to
 per-op overhead, not arithmetic: the four projections are one pre-packed GEMM (the forward concatenates the weights
@@ -30,15 +33,16 @@ import torch.nn.functional as F
 from zaya.core.errors import ConfigError
 from zaya.core.units import format_bytes
 from zaya.model.attention import AttentionCache
+from zaya.model.blocks import BlockPool
 from zaya.model.layers import _rms_norm, apply_rotary
 from zaya.model.zaya import DecodeState
 
 
 class SlotMemoryError(ConfigError):
-    """Slots whose KV cache and CCA state need more memory than the device has available: refused before anything
-    is allocated (a ``max_seq_len`` of 2**40 in a config failed in ``torch.zeros``; one just small enough would have
-    taken every free byte). ``what`` says what was asked and what is free; the message adds a fix a caller may
-    replace with its own flags (``ConfigError(f"{exc.what}: FIX")``)."""
+    """A slot decoder whose memory (its KV block pool plus what every slot keeps) exceeds what the device has
+    available: refused before anything is allocated (a ``max_seq_len`` of 2**40 in a config failed in
+    ``torch.zeros``; one just small enough would have taken every free byte). ``what`` says what was asked and what
+    is free; the message adds a fix a caller may replace with its own flags (``ConfigError(f"{exc.what}: FIX")``)."""
 
     def __init__(self, num_slots: int, capacity: int, needed: int, available: int, device: torch.device) -> None:
         self.num_slots, self.capacity, self.needed, self.available = num_slots, capacity, needed, available
@@ -144,76 +148,228 @@ def _single_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v).view(n, hq * d)
 
 
+class _LayerPages:
+    """One layer's share of the block pool: keys and values [num_blocks * block_size, Hkv, D] (row
+    ``block * block_size + offset``), and with prefix states the CCA state after each block's last token
+    (``conv`` [num_blocks, C, reach], ``value`` [num_blocks, W])."""
+
+    def __init__(self, attention, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 prefix_states: bool) -> None:
+        rows = (num_blocks * block_size, attention.num_kv_heads, attention.head_dim)
+        # empty, not zeros: a CPU process touches (and keeps resident) only the blocks it writes; every block is
+        # zeroed when it is handed out (SlotDecoder.ensure), the null block here
+        self.keys = torch.empty(rows, dtype=dtype, device=device)
+        self.values = torch.empty(rows, dtype=dtype, device=device)
+        self.keys[:block_size] = 0
+        self.values[:block_size] = 0
+        self.conv = self.value = None
+        if prefix_states and attention.kind == "cca":
+            self.conv = torch.empty(num_blocks, attention.conv_depthwise.in_channels, attention.conv_reach,
+                                    dtype=dtype, device=device)
+            self.value = torch.empty(num_blocks, attention.v_previous_proj.out_features, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(attention, block_size: int, dtype: torch.dtype, prefix_states: bool) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        total = 2 * block_size * attention.num_kv_heads * attention.head_dim
+        if prefix_states and attention.kind == "cca":
+            total += attention.conv_depthwise.in_channels * attention.conv_reach + attention.v_previous_proj.out_features
+        return total * size
+
+
+class _SlotPages:
+    """``KeyPages`` (``zaya.model.attention``) of one layer for slots ``[slot, slot + count)``: positions map to
+    pool rows through the slots' block tables."""
+
+    def __init__(self, layer: _LayerPages, table: torch.Tensor, block_size: int) -> None:
+        self.layer, self.table, self.block_size = layer, table, block_size
+
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Pool rows [count, len(positions)] of ``positions`` in each slot."""
+        bs = self.block_size
+        return self.table[:, positions // bs] * bs + positions % bs
+
+    def write_read(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        count, hk, t, d = k.shape
+        rows = self.rows(torch.arange(start + t, device=k.device))  # [count, start + t]
+        new = rows[:, start:].reshape(-1)
+        layer = self.layer
+        layer.keys[new] = k.transpose(1, 2).reshape(-1, hk, d).to(layer.keys.dtype)
+        layer.values[new] = v.transpose(1, 2).reshape(-1, hk, d).to(layer.values.dtype)
+        return layer.keys[rows].transpose(1, 2), layer.values[rows].transpose(1, 2)
+
+    def save_state(self, window: torch.Tensor, delayed: torch.Tensor, start: int) -> None:
+        layer = self.layer
+        if layer.conv is None:
+            return
+        bs, reach, t = self.block_size, layer.conv.shape[-1], delayed.shape[1]
+        # the state after position e - 1, for every block end e in (start, start + t]
+        first = (start // bs + 1) * bs
+        if first > start + t:
+            return
+        ends = torch.arange(first, start + t + 1, bs, device=window.device)
+        blocks = self.table[:, ends // bs - 1].reshape(-1)  # [count * ends]
+        at = ends - start  # window column j holds position start - reach + j: the state after e - 1 is [at, at + reach)
+        conv = window[:, :, at[:, None] + torch.arange(reach, device=window.device)]  # [count, C, ends, reach]
+        layer.conv[blocks] = conv.permute(0, 2, 1, 3).reshape(-1, *layer.conv.shape[1:]).to(layer.conv.dtype)
+        layer.value[blocks] = delayed[:, at - 1].reshape(-1, layer.value.shape[-1]).to(layer.value.dtype)
+
+
 class SlotDecoder:
     """KV cache + CCA state for ``num_slots`` sequences of up to ``capacity`` tokens, and the operations the
-    engine needs on them: ``reset`` a slot, ``prefill`` tokens into a slot (or a block of slots), ``step`` one token
-    per row. Lengths are the caller's to track (on the host: they advance by known amounts, so no read is needed)."""
+    engine needs on them: ``reset`` a slot, ``ensure`` it has blocks for a length, ``attach`` cached prefix blocks,
+    ``prefill`` tokens into a slot (or a block of slots), ``step`` one token per row. Lengths are the caller's to
+    track (on the host: they advance by known amounts, so no read is needed).
 
-    def __init__(self, model, num_slots: int, capacity: int, dtype: torch.dtype | None = None) -> None:
-        if num_slots < 1 or capacity < 1:
-            raise ValueError(f"a slot decoder needs at least one slot and one position, got {num_slots} slots of "
-                             f"{capacity}")
+    Paged memory: keys and values live in a pool of ``num_blocks`` blocks of ``block_size`` tokens shared by all
+    slots (default: enough for every slot's whole capacity); a slot's block table maps its positions to pool rows,
+    and blocks are handed out as its tokens arrive (``ensure``; ``prefill`` does it itself). ``prefix_states``
+    also keeps, per block, the CCA convolution and value-shift state after its last token, so that a later
+    sequence can start from a cached prefix (``attach``). Per slot there is only the block table, the running CCA
+    state and a valid-key mask. Block 0 is the null block (``zaya.model.blocks``)."""
+
+    def __init__(self, model, num_slots: int, capacity: int, dtype: torch.dtype | None = None,
+                 block_size: int = 16, num_blocks: int | None = None, prefix_states: bool = False) -> None:
+        if num_slots < 1 or capacity < 1 or block_size < 1:
+            raise ValueError(f"a slot decoder needs at least one slot, position and token per block, got {num_slots} "
+                             f"slots of {capacity} in blocks of {block_size}")
         self.model = model
         self.num_slots = num_slots
         self.capacity = capacity
+        self.block_size = block_size
+        self.blocks_per_slot = -(-capacity // block_size)
+        self.num_blocks = num_blocks or self.num_slots * self.blocks_per_slot + 1
+        if self.num_blocks < 2:
+            raise ValueError(f"a slot decoder needs at least 2 blocks (one is the null block), not {self.num_blocks}")
+        self.prefix_states = prefix_states
         device = model.embed.weight.device
-        needed, available = self.bytes_needed(model, num_slots, capacity, dtype), available_memory(device)
+        dtype = dtype or model.embed.weight.dtype
+        needed = self.bytes_needed(model, num_slots, capacity, dtype, block_size, self.num_blocks, prefix_states)
+        available = available_memory(device)
         if available is not None and needed > available:
             raise SlotMemoryError(num_slots, capacity, needed, available, device)
-        # one scratch column past the capacity: idle rows of a decode step write their K/V there
-        state = model.new_state(num_slots, capacity + 1, dtype)
-        self.caches: list[AttentionCache] = state.caches
-        self.key_valid = state.key_valid
+        self.pool = BlockPool(self.num_blocks)
+        self.slot_blocks: list[list[int]] = [[] for _ in range(num_slots)]
+        """The blocks each slot holds, in position order (host copy of the block table's used columns)."""
+        self.table = torch.zeros(num_slots, self.blocks_per_slot, dtype=torch.int64, device=device)
+        self.pages = [_LayerPages(block.attention, self.num_blocks, block_size, dtype, device, prefix_states)
+                      for block in model.blocks]
+        # the running CCA state of every slot, and which positions hold a key (one scratch column past the
+        # capacity: idle rows of a decode step mark it)
+        self.caches = [AttentionCache(keys=None, values=None, **b.attention.new_cca_state(num_slots, dtype, device))
+                       for b in model.blocks]
+        self.key_valid = torch.zeros(num_slots, capacity + 1, dtype=torch.bool, device=device)
         self.layers = [_LayerWeights(block) for block in model.blocks]
-        self.device = model.embed.weight.device
+        self.device = device
         self._rows = torch.arange(num_slots, device=self.device)
         self._key_index = torch.arange(capacity + 1, device=self.device)
 
     @staticmethod
-    def bytes_needed(model, num_slots: int, capacity: int, dtype: torch.dtype | None = None) -> int:
-        """Bytes a decoder of ``num_slots`` slots of ``capacity`` tokens allocates when it is built: every layer's
-        KV cache and CCA state (their shapes taken from the layers' own ``new_cache`` on the meta device, so nothing
-        is allocated), the valid-key mask and the key index, each with the scratch column."""
-        meta = torch.device("meta")
+    def bytes_needed(model, num_slots: int, capacity: int, dtype: torch.dtype | None = None, block_size: int = 16,
+                     num_blocks: int | None = None, prefix_states: bool = False) -> int:
+        """Bytes a decoder allocates when it is built (its pool as if every block were written): the block pool of
+        every layer (``num_blocks``, default enough for every slot's capacity), and per slot the block table, the
+        CCA state and the valid-key mask, and the key index (taken from the layers' own shapes; nothing is
+        allocated)."""
         dtype = dtype or model.embed.weight.dtype
+        blocks_per_slot = -(-capacity // block_size)
+        num_blocks = num_blocks or num_slots * blocks_per_slot + 1
         columns = capacity + 1
-        total = num_slots * columns + 8 * columns  # key_valid (bool) and the key index (int64)
+        total = num_slots * columns + 8 * columns + 8 * num_slots * blocks_per_slot  # mask, key index, table
         for block in model.blocks:
-            cache = block.attention.new_cache(num_slots, columns, dtype, meta)
-            total += sum(t.numel() * t.element_size() for t in (cache.keys, cache.values, cache.conv_state,
-                                                                 cache.value_state) if t is not None)
+            att = block.attention
+            total += num_blocks * _LayerPages.bytes_per_block(att, block_size, dtype, prefix_states)
+            total += sum(t.numel() * t.element_size()
+                         for t in att.new_cca_state(num_slots, dtype, torch.device("meta")).values())
         return total
 
     # ------------------------------------------------------------------------------------------- slots
     def reset(self, slot: int, count: int = 1) -> None:
-        """Make slots ``[slot, slot + count)`` empty (a new sequence starts there): CCA state zero, no valid key."""
+        """Make slots ``[slot, slot + count)`` empty (a new sequence starts there): their blocks released, CCA
+        state zero, no valid key."""
+        for s in range(slot, slot + count):
+            self.release(s)
         self.key_valid[slot:slot + count] = False
         for cache in self.caches:
             if cache.conv_state is not None:
                 cache.conv_state[slot:slot + count] = 0
                 cache.value_state[slot:slot + count] = 0
 
+    def release(self, slot: int) -> None:
+        """Give back every block ``slot`` holds (its table then points at the null block)."""
+        held = self.slot_blocks[slot]
+        for block in held:
+            self.pool.release(block)
+        if held:
+            self.table[slot, :len(held)] = 0
+        self.slot_blocks[slot] = []
+
+    def ensure(self, slot: int, length: int) -> None:
+        """Hand ``slot`` new blocks until it covers positions ``[0, length)`` (``OutOfBlocksError`` when the pool
+        is exhausted: the caller's admission keeps that from happening). New blocks are zeroed, so that positions
+        not yet written hold finite numbers (a masked key then adds nothing, not NaN)."""
+        held = self.slot_blocks[slot]
+        need = -(-length // self.block_size)
+        if need > self.blocks_per_slot:
+            raise ValueError(f"slot holds {self.capacity} positions; {length} requested")
+        if need <= len(held):
+            return
+        new = [self.pool.allocate() for _ in range(need - len(held))]
+        rows = (torch.tensor(new, device=self.device)[:, None] * self.block_size
+                + torch.arange(self.block_size, device=self.device)).reshape(-1)
+        for layer in self.pages:
+            layer.keys.index_fill_(0, rows, 0)
+            layer.values.index_fill_(0, rows, 0)
+        self.table[slot, len(held):need] = torch.tensor(new, device=self.device)
+        held.extend(new)
+
+    def attach(self, slot: int, blocks: list[int]) -> None:
+        """Start empty ``slot`` from a cached prefix: hold ``blocks`` (registered blocks of that prefix, in order),
+        mark their positions valid and take the CCA state kept after the last one (needs ``prefix_states``)."""
+        if self.slot_blocks[slot]:
+            raise ValueError(f"slot {slot} holds blocks: reset it before attaching a prefix")
+        if not blocks:
+            return
+        if not self.prefix_states:
+            raise ValueError("attaching a cached prefix needs a decoder built with prefix_states=True")
+        for block in blocks:
+            self.pool.hold(block)
+        self.slot_blocks[slot] = list(blocks)
+        self.table[slot, :len(blocks)] = torch.tensor(blocks, device=self.device)
+        self.key_valid[slot, :len(blocks) * self.block_size] = True
+        last = blocks[-1]
+        for cache, layer in zip(self.caches, self.pages):
+            if layer.conv is not None:
+                cache.conv_state[slot] = layer.conv[last]
+                cache.value_state[slot] = layer.value[last]
+
     def view(self, slot: int, count: int, length: int):
         """A ``DecodeState`` over slots ``[slot, slot + count)`` holding ``length`` tokens each, whose tensors are
-        views into this decoder's buffers: the model's cached forward writes straight into the slots."""
+        views into this decoder's buffers (its pages map positions through the slots' block tables): the model's
+        cached forward writes straight into the pool."""
         rows = slice(slot, slot + count)
-        caches = [AttentionCache(keys=c.keys[rows], values=c.values[rows],
+        table = self.table[rows]
+        caches = [AttentionCache(keys=None, values=None,
                                  conv_state=None if c.conv_state is None else c.conv_state[rows],
-                                 value_state=None if c.value_state is None else c.value_state[rows])
-                  for c in self.caches]
+                                 value_state=None if c.value_state is None else c.value_state[rows],
+                                 pages=_SlotPages(layer, table, self.block_size))
+                  for c, layer in zip(self.caches, self.pages)]
         return DecodeState(caches=caches, key_valid=self.key_valid[rows, :self.capacity], length=length)
 
     @torch.no_grad()
     def prefill(self, slot: int, ids: torch.Tensor, start: int, all_logits: bool = False,
                 chunk: int | None = None) -> torch.Tensor:
         """Feed ``ids`` [count, T] (or [T] for one slot) to slots ``[slot, slot + count)`` after ``start`` cached
-        tokens, in chunks of ``chunk`` tokens (default: all at once). Returns the logits [count, T, V] of every
-        position when ``all_logits`` (prompt log-probabilities), else of the last position [count, V]."""
+        tokens, in chunks of ``chunk`` tokens (default: all at once), handing the slots the blocks they need.
+        Returns the logits [count, T, V] of every position when ``all_logits`` (prompt log-probabilities), else of
+        the last position [count, V]."""
         if ids.dim() == 1:
             ids = ids[None]
         count, t = ids.shape
         if start + t > self.capacity:
             raise ValueError(f"slot holds {self.capacity} positions; {start} used, {t} more requested")
+        for s in range(slot, slot + count):
+            self.ensure(s, start + t)
         state = self.view(slot, count, start)
         chunk = chunk or t
         pieces = []
@@ -243,6 +399,18 @@ class SlotDecoder:
         # the keys this step writes are valid for a later multi-token forward (prefill after decoding, speculation);
         # idle rows mark the scratch column, which no view includes
         self.key_valid[self._rows[:n], write] = True
+        rows = self._rows[:n]
+        bs = self.block_size
+        own = self.table[rows, positions // bs]  # each row's block for its position (idle rows: not written)
+        pool_write = own * bs + positions % bs
+        if idle is not None:  # idle rows write into the null block, which no table entry in use points at
+            pool_write = torch.where(idle, 0, pool_write)
+        key_positions = self._key_index[:keys]
+        pool_read = self.table[:n, key_positions // bs] * bs + key_positions % bs  # [n, keys]
+        ending = None
+        if self.prefix_states:  # rows whose token ends a block keep their CCA state with it (idle rows: null block)
+            ends = (positions + 1) % bs == 0
+            ending = torch.where(ends if idle is None else ends & ~idle, own, 0)
         # may attend: keys up to the row's own position (idle rows: anything; their output is unused)
         mask = None
         if not aligned or idle is not None:
@@ -252,12 +420,11 @@ class SlotDecoder:
         cos, sin = model.rope.cos_sin(positions[:, None])  # [n, 1, 1, rot]
         x = model.input_affine(model.embed(tokens))
         x = x.float() if model.config.residual_fp32 else x
-        rows = self._rows[:n]
         keep = None if idle is None else idle[:, None]
         latent = None
-        for block, weights, cache in zip(model.blocks, self.layers, self.caches):
+        for block, weights, cache, pages in zip(model.blocks, self.layers, self.caches, self.pages):
             h = _rms_norm(x.to(block.attn_norm.weight.dtype), block.attn_norm.weight, block.attn_norm.eps)[0]
-            a = self._attend(h, weights, cache, cos, sin, mask, rows, write, keys, keep)
+            a = self._attend(h, weights, cache, pages, cos, sin, mask, pool_write, pool_read, keep, ending)
             x = block._join(block.attn_residual(a, x))
             h = _rms_norm(x.to(block.moe_norm.weight.dtype), block.moe_norm.weight, block.moe_norm.eps)[0]
             m, latent = _moe_step(block.moe, h, latent)
@@ -265,7 +432,8 @@ class SlotDecoder:
         h = model.final_norm(x.to(model.final_norm.weight.dtype))
         return F.linear(h, model.head_weight())
 
-    def _attend(self, h, w: _LayerWeights, cache: AttentionCache, cos, sin, mask, rows, write, keys, keep):
+    def _attend(self, h, w: _LayerWeights, cache: AttentionCache, pages: _LayerPages, cos, sin, mask, pool_write,
+                pool_read, keep, ending):
         n = h.shape[0]
         hq, hk, hd = w.hq, w.hk, w.hd
         qw, kw = hq * hd, hk * hd
@@ -289,6 +457,9 @@ class SlotDecoder:
                 new_value = torch.where(keep, previous, new_value)
             conv_state.copy_(new_conv)
             previous.copy_(new_value)
+            if ending is not None:
+                pages.conv.index_copy_(0, ending, new_conv.to(pages.conv.dtype))
+                pages.value.index_copy_(0, ending, new_value.to(pages.value.dtype))
             eps = torch.finfo(q.dtype).eps
             scale = hd**0.5
             dtype = q.dtype
@@ -300,9 +471,9 @@ class SlotDecoder:
             q, k, v = q.view(n, hq, hd), k.view(n, hk, hd), v.view(n, hk, hd)
         q = apply_rotary(q[:, :, None], cos, sin)[:, :, 0]  # [n, Hq, D]
         k = apply_rotary(k[:, :, None], cos, sin)[:, :, 0]  # [n, Hkv, D]
-        cache.keys[rows, :, write] = k.to(cache.keys.dtype)
-        cache.values[rows, :, write] = v.to(cache.values.dtype)
-        kk = cache.keys[:n, :, :keys].to(q.dtype)
-        vv = cache.values[:n, :, :keys].to(q.dtype)
+        pages.keys[pool_write] = k.to(pages.keys.dtype)
+        pages.values[pool_write] = v.to(pages.values.dtype)
+        kk = pages.keys[pool_read].transpose(1, 2).to(q.dtype)  # [n, Hkv, keys, D]
+        vv = pages.values[pool_read].transpose(1, 2).to(q.dtype)
         out = _single_query_attention(q, kk, vv, mask)
         return F.linear(out, w.o.to(out.dtype))

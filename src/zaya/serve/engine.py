@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from zaya.model.slots import SlotDecoder
+from zaya.serve.prefix_cache import next_key
 from zaya.serve.request import Request, TokenLogprob
 from zaya.serve.sampling import (MIN_TEMPERATURE, SamplingParams, apply_output_penalties, apply_repetition_penalty,
                                  decode_tokens, sample_next, sampling_probs)
@@ -61,8 +62,14 @@ class _Active:
     slot: int
     generator: torch.Generator | None
     stream: TextStream | None
+    blocks: int = 0
+    """KV blocks the request may need in all (prompt + max_tokens): admission promised them."""
     prefilled: int = 0
     """Prompt tokens in the cache so far."""
+    registered: int = 0
+    """Leading blocks registered for prefix caching (or attached from it)."""
+    last_key: bytes = b""
+    """The prefix key of the last registered block (``zaya.serve.prefix_cache``)."""
     next_token: int | None = None
     """The last sampled token, to be fed by the next decode step."""
     seen: torch.Tensor | None = None
@@ -74,12 +81,15 @@ class _Active:
 
 class Engine:
     """Continuous-batching engine over ``num_slots`` slots of ``capacity`` tokens (default: the model's
-    max_seq_len). ``decode`` (token ids -> text) is needed for stop strings. ``speculative_ngram`` > 0 turns on
+    max_seq_len), whose keys and values share a pool of ``kv_blocks`` blocks of ``block_size`` tokens (default:
+    enough for every slot's whole capacity). ``decode`` (token ids -> text) is needed for stop strings.
+    ``prefix_caching`` reuses the blocks of prompt prefixes computed before. ``speculative_ngram`` > 0 turns on
     prompt-lookup speculation (n-grams of up to that many tokens, ``speculative_tokens`` drafted per step)."""
 
     def __init__(self, model, num_slots: int = 16, capacity: int | None = None, prefill_chunk: int = 512,
                  decode: Callable[[list[int]], str] | None = None, speculative_ngram: int = 0,
-                 speculative_tokens: int = 4) -> None:
+                 speculative_tokens: int = 4, block_size: int = 16, kv_blocks: int | None = None,
+                 prefix_caching: bool = True) -> None:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         if speculative_ngram < 0 or speculative_tokens < 1:
@@ -94,7 +104,14 @@ class Engine:
         self.model = model
         self.capacity = capacity or model.config.max_seq_len
         self.num_slots = num_slots
-        self.decoder = SlotDecoder(model, num_slots, self.capacity)
+        self.decoder = SlotDecoder(model, num_slots, self.capacity, block_size=block_size, num_blocks=kv_blocks,
+                                   prefix_states=prefix_caching)
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.prefix_queried = 0
+        """Prompt tokens looked up in the prefix cache so far."""
+        self.prefix_hits = 0
+        """Prompt tokens found there (not computed again)."""
         self.device = self.decoder.device
         self.vocab_size = model.config.vocab_size
         self.prefill_chunk = prefill_chunk
@@ -123,6 +140,12 @@ class Engine:
         if len(request.prompt) + request.max_tokens > self.capacity:
             raise ContextLengthError(f"this model's context is {self.capacity} tokens; the prompt has "
                                      f"{len(request.prompt)} and max_tokens is {request.max_tokens}")
+        blocks, usable = self._blocks_for(request), self.decoder.pool.usable
+        if blocks > usable:
+            raise ContextLengthError(f"the prompt ({len(request.prompt)} tokens) and max_tokens ({request.max_tokens}) "
+                                     f"need {blocks} KV blocks of {self.block_size} tokens, and the whole KV cache "
+                                     f"holds {usable} ({usable * self.block_size} tokens): ask for fewer tokens, "
+                                     f"or give the server a larger KV cache")
         if request.stop and self.decode is None:
             raise ValueError("stop strings need a tokenizer (the engine was built without decode)")
         if request.logprobs is not None and (not _is_int(request.logprobs) or request.logprobs < 0):
@@ -160,10 +183,10 @@ class Engine:
         return bool(self.waiting) or any(a is not None for a in self.slots)
 
     def occupancy(self) -> tuple[int, int, int]:
-        """(requests waiting, requests in slots, tokens their slots hold), for ``/metrics`` on another thread: a
-        snapshot that may be a step old."""
+        """(requests waiting, requests in slots, KV blocks held), for ``/metrics`` on another thread: a snapshot
+        that may be a step old."""
         active = [a for a in list(self.slots) if a is not None]
-        return len(self.waiting), len(active), sum(a.prefilled + len(a.request.output) for a in active)
+        return len(self.waiting), len(active), self.decoder.pool.held()
 
     def run(self, requests: list[Request]) -> list[Request]:
         """Submit ``requests`` and step until every one has finished."""
@@ -215,6 +238,7 @@ class Engine:
                 tokens[a.slot] = a.next_token
                 positions[a.slot] = len(r.prompt) + len(r.output) - 1
                 idle[a.slot] = False
+                self.decoder.ensure(a.slot, positions[a.slot] + 1)
             keys = max(positions[a.slot] for a in decoding) + 1
             try:
                 logits = self.decoder.step(torch.tensor(tokens, device=self.device),
@@ -234,13 +258,22 @@ class Engine:
         return changed
 
     def _admit(self) -> list[Request]:
-        """Give waiting requests free slots; returns those whose admission failed (finished with an error)."""
+        """Give waiting requests free slots, oldest first, while the KV pool can promise each every block it may
+        need (its prompt and max_tokens, less the blocks of a cached prefix): a request that does not fit waits
+        for blocks to come back, and a running request never runs out. Returns the requests whose admission failed
+        (finished with an error)."""
         failed = []
+        pool = self.decoder.pool
         while self.waiting and None in self.slots:
-            request = self.waiting.popleft()
-            slot = self.slots.index(None)
+            request = self.waiting[0]
             try:
-                active = self._activate(request, slot)
+                hits, key = self._cached_prefix(request)
+                fresh = self._blocks_for(request) - len(hits)
+                if pool.available() - sum(pool.is_idle(b) for b in hits) - self._promised() < fresh:
+                    break
+                self.waiting.popleft()
+                slot = self.slots.index(None)
+                active = self._activate(request, slot, hits, key)
             except Exception as exc:  # noqa: BLE001 - this request's failure, not the others'
                 self.fail(request, "admitting the request", exc)
                 failed.append(request)
@@ -249,8 +282,52 @@ class Engine:
             self._prefill_order.append(active)
         return failed
 
-    def _activate(self, request: Request, slot: int) -> _Active:
+    def _blocks_for(self, request: Request) -> int:
+        return -(-(len(request.prompt) + request.max_tokens) // self.block_size)
+
+    def _promised(self) -> int:
+        """Blocks admitted requests may still take."""
+        held = self.decoder.slot_blocks
+        return sum(max(0, a.blocks - len(held[a.slot])) for a in self.slots if a is not None)
+
+    def _cached_prefix(self, request: Request) -> tuple[list[int], bytes]:
+        """The registered blocks that hold the longest cached prefix of ``request``'s prompt (at least its last
+        token is left to compute: the first output needs its logits), and the last one's key. Requests that want
+        prompt log-probabilities compute the whole prompt."""
+        if not self.prefix_caching or request.prompt_logprobs:
+            return [], b""
+        bs, pool = self.block_size, self.decoder.pool
+        hits, key = [], b""
+        for i in range((len(request.prompt) - 1) // bs):
+            following = next_key(key, request.prompt[i * bs:(i + 1) * bs])
+            block = pool.lookup(following)
+            if block is None:
+                break
+            hits.append(block)
+            key = following
+        return hits, key
+
+    def _register(self, a: _Active) -> None:
+        """Register every full block of ``a`` whose tokens are all in the cache and final, for prefix caching.
+        Called after a prefill chunk, and when a token is about to be taken: then every token before it (prompt
+        and output, accepted drafts included) has been fed."""
+        if not self.prefix_caching:
+            return
+        r, bs = a.request, self.block_size
+        cached = a.prefilled if a.prefilled < len(r.prompt) else len(r.prompt) + len(r.output)
+        if cached // bs <= a.registered:
+            return
+        tokens = r.prompt if cached <= len(r.prompt) else r.prompt + r.output
+        blocks = self.decoder.slot_blocks[a.slot]
+        for i in range(a.registered, cached // bs):
+            a.last_key = next_key(a.last_key, tokens[i * bs:(i + 1) * bs])
+            self.decoder.pool.register(blocks[i], a.last_key)
+        a.registered = cached // bs
+
+    def _activate(self, request: Request, slot: int, hits: list[int] | None = None, key: bytes = b"") -> _Active:
         self.decoder.reset(slot)
+        hits = hits or []
+        self.decoder.attach(slot, hits)
         p = request.sampling
         generator = None
         if p.temperature > 0:
@@ -260,7 +337,11 @@ class Engine:
             else:
                 generator.seed()
         stream = TextStream(self.decode, request.stop) if self.decode is not None else None
-        active = _Active(request, slot, generator, stream)
+        active = _Active(request, slot, generator, stream, blocks=self._blocks_for(request),
+                         prefilled=len(hits) * self.block_size, registered=len(hits), last_key=key)
+        if self.prefix_caching and not request.prompt_logprobs:
+            self.prefix_queried += len(request.prompt)
+            self.prefix_hits += active.prefilled
         if p.repetition_penalty != 1.0:
             active.seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             active.seen[torch.tensor(request.prompt, device=self.device)] = True
@@ -278,6 +359,7 @@ class Engine:
         ids = torch.tensor(piece, device=self.device)
         logits = self.decoder.prefill(active.slot, ids, start, all_logits=r.prompt_logprobs)
         active.prefilled += len(piece)
+        self._register(active)
         if not r.prompt_logprobs:
             return logits[0]
         logits = logits[0]  # [T, V]: position i predicts prompt token start + i + 1
@@ -394,6 +476,7 @@ class Engine:
     def _take(self, a: _Active, token: int, logprobs: tuple | None) -> None:
         """Apply one sampled ``token`` to ``a``'s request: eos, output, log-probabilities, stop strings, length."""
         r = a.request
+        self._register(a)
         if r.constraint is not None:
             r.constraint.accept(token)
         if a.seen is not None:
@@ -430,6 +513,7 @@ class Engine:
     def _free(self, active: _Active) -> None:
         if self.slots[active.slot] is active:
             self.slots[active.slot] = None
+            self.decoder.release(active.slot)
         if active in self._prefill_order:
             self._prefill_order.remove(active)
 
@@ -449,6 +533,8 @@ class Engine:
                              f"of {self.capacity}")
         dec = self.decoder
         dec.reset(0, b)
+        if b * -(-(t + max_new_tokens) // self.block_size) > dec.pool.available() - self._promised():
+            raise ValueError(f"a batch of {b} x {t} + {max_new_tokens} tokens does not fit the free KV blocks")
         lengths = None
         if attention_mask is not None:
             mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
@@ -461,6 +547,8 @@ class Engine:
                 raise ValueError("a row of attention_mask has no tokens")
             if min(lengths) == t:
                 lengths = None  # no padding after all
+        for i in range(b):  # every block the rows will need, now: the decode steps below allocate none
+            dec.ensure(i, (t if lengths is None else lengths[i]) + max_new_tokens)
         if lengths is None:
             logits = dec.prefill(0, input_ids, 0, chunk=self.prefill_chunk)
             positions = torch.full((b,), t, device=input_ids.device)
