@@ -78,7 +78,7 @@ def test_zaya_serve_refuses_slots_that_do_not_fit(huge_context, capsys, monkeypa
     assert main([*args, "--max-model-len", str(LONG)]) == 2
     err = capsys.readouterr().err
     assert "16 slot(s) of 1,000,000,000 tokens need" in err and "bytes" in err
-    assert "pass fewer --slots (now 16) or a smaller --max-model-len (now 1000000000)" in err
+    assert "pass fewer --max-num-seqs (now 16), a smaller --max-model-len (now 1000000000)" in err
     assert "Traceback" not in err
     # the default context is capped at 8192 tokens: enough slots of it still do not fit
     assert main([*args, "--slots", str(10**8)]) == 2

@@ -91,9 +91,26 @@ def test_metrics_move_by_what_the_requests_did(server):
     assert delta(after, before, "zaya_inter_token_latency_seconds_bucket", le="+Inf") == 11
     assert after[("zaya_e2e_request_latency_seconds_sum", ())] > before.get(("zaya_e2e_request_latency_seconds_sum",
                                                                              ()), 0.0)
-    assert after[("zaya_slots", ())] == 4 and after[("zaya_kv_cache_capacity_tokens", ())] == 4 * 64
-    for gauge in ("zaya_requests_waiting", "zaya_requests_running", "zaya_kv_cache_used_tokens"):
+    assert after[("zaya_slots", ())] == 4 and after[("zaya_kv_cache_blocks", ())] == 4 * 64 // 16
+    assert after[("zaya_kv_cache_block_tokens", ())] == 16
+    for gauge in ("zaya_requests_waiting", "zaya_requests_running", "zaya_kv_cache_used_blocks"):
         assert after[(gauge, ())] == 0, gauge
+    # the prompts looked up in the prefix cache: all but the one that wants prompt log-probabilities
+    looked_up = usages[0]["prompt_tokens"] + usages[1]["prompt_tokens"] + usages[3]["prompt_tokens"]
+    assert delta(after, before, "zaya_prefix_cache_queries_total") == looked_up
+
+
+def test_prefix_cache_hits_and_blocks_are_counted(server):
+    url = server
+    before = scrape(url)
+    done = sum(v for (name, _), v in before.items() if name == "zaya_requests_total")
+    prompt = list(range(3, 43))  # 40 tokens: 2 full blocks of 16 reused by the second request
+    for _ in range(2):
+        call(url, "completions", {"prompt": prompt, "max_tokens": 2, "ignore_eos": True})
+    after = settled(url, done + 2)
+    assert delta(after, before, "zaya_prefix_cache_queries_total") == 80
+    assert delta(after, before, "zaya_prefix_cache_hits_total") == 32
+    assert after[("zaya_kv_cache_cached_blocks", ())] >= 2 and after[("zaya_kv_cache_used_blocks", ())] == 0
 
 
 def test_one_log_line_per_request_and_an_abort_counted(server, caplog):
@@ -109,7 +126,7 @@ def test_one_log_line_per_request_and_an_abort_counted(server, caplog):
                 break
     after = settled(url, done + 3)
     assert delta(after, before, "zaya_requests_total", endpoint="/v1/completions", finish_reason="abort") == 1
-    assert after[("zaya_requests_running", ())] == 0 and after[("zaya_kv_cache_used_tokens", ())] == 0
+    assert after[("zaya_requests_running", ())] == 0 and after[("zaya_kv_cache_used_blocks", ())] == 0
 
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "zaya.serve" and
              rec.getMessage().startswith("request ")]

@@ -330,12 +330,16 @@ def _eval_tasks(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     """``zaya serve``: the OpenAI-compatible HTTP API on the serving engine (docs/serving.md)."""
+    from zaya.core.units import parse_size
     from zaya.serve.gate import API_KEY_ENV
     from zaya.serve.limits import ServeLimits, context_length
     from zaya.serve.server import serve
 
-    if args.slots < 1 or args.prefill_chunk < 1 or args.speculative_tokens < 1:
-        raise errors.ConfigError("--slots, --prefill-chunk and --speculative-tokens must be >= 1")
+    if args.slots < 1 or args.prefill_chunk < 1 or args.speculative_tokens < 1 or args.block_size < 1:
+        raise errors.ConfigError("--max-num-seqs, --prefill-chunk, --speculative-tokens and --block-size must be "
+                                 ">= 1")
+    kv_memory = None if args.kv_cache_memory in (None, "auto") else parse_size(args.kv_cache_memory,
+                                                                                "--kv-cache-memory")
     if args.speculative_ngram < 0:
         raise errors.ConfigError(f"--speculative-ngram must be >= 0 (0: off), not {args.speculative_ngram}")
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -347,11 +351,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     model, tokenizer, where = _load(args, need_tokenizer=True)
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
     context = context_length(args.max_model_len, model.config.max_seq_len)
-    print(f"# serving {where} as {name!r} on http://{args.host}:{args.port} ({args.slots} slots of "
+    print(f"# serving {where} as {name!r} on http://{args.host}:{args.port} (up to {args.slots} sequences of "
           f"{context} tokens)", file=sys.stderr)
     serve(model, tokenizer, host=args.host, port=args.port, model_name=name, num_slots=args.slots,
           capacity=context, prefill_chunk=args.prefill_chunk, limits=limits,
-          speculative_ngram=args.speculative_ngram, speculative_tokens=args.speculative_tokens)
+          speculative_ngram=args.speculative_ngram, speculative_tokens=args.speculative_tokens,
+          kv_cache_memory=kv_memory, block_size=args.block_size, prefix_caching=not args.no_prefix_caching)
     return 0
 
 
@@ -580,10 +585,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the checkpoint's name)")
-    p.add_argument("--slots", type=int, default=16, metavar="N", help="concurrent sequences (default 16)")
+    p.add_argument("--max-num-seqs", "--slots", dest="slots", type=int, default=16, metavar="N",
+                   help="sequences decoded at once (default 16); more wait in a queue")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="tokens each slot holds, prompt and output (default: the model's max_seq_len, at most "
-                        f"{DEFAULT_MAX_MODEL_LEN}); the slots' KV cache is checked against the memory available")
+                   help="tokens one sequence may reach, prompt and output (default: the model's max_seq_len, at "
+                        f"most {DEFAULT_MAX_MODEL_LEN})")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="bytes of the KV block pool all sequences share, e.g. 2G (default auto: every sequence's "
+                        "whole context, or what fits in 90%% of the memory available); requests wait for blocks, "
+                        "and one that needs more than the pool is refused")
+    p.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV blocks and CCA state of prompt prefixes computed before")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
                    help="prompt tokens per prefill chunk between decode steps (default 512)")
     p.add_argument("--speculative-ngram", type=int, default=0, metavar="N",

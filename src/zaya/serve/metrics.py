@@ -60,13 +60,16 @@ class ServeMetrics:
             lambda: engine.occupancy()[0])
         Gauge("zaya_requests_running", "Requests holding a slot (prefilling or decoding).", registry=r).set_function(
             lambda: engine.occupancy()[1])
-        Gauge("zaya_slots", "Sequence slots (--slots).", registry=r).set(engine.num_slots)
-        Gauge("zaya_kv_cache_used_tokens", "Tokens held in the slots' KV caches.", registry=r).set_function(
+        Gauge("zaya_slots", "Sequences decoded at once at most (--max-num-seqs).", registry=r).set(engine.num_slots)
+        pool = engine.decoder.pool
+        Gauge("zaya_kv_cache_used_blocks", "KV blocks held by running requests.", registry=r).set_function(
             lambda: engine.occupancy()[2])
-        Gauge("zaya_kv_cache_capacity_tokens", "Tokens the slots' KV caches can hold (--slots x --max-model-len).",
-              registry=r).set(engine.num_slots * engine.capacity)
+        Gauge("zaya_kv_cache_cached_blocks", "KV blocks holding a cached prompt prefix (held or idle).",
+              registry=r).set_function(pool.cached)
+        Gauge("zaya_kv_cache_blocks", "KV blocks in the pool (--kv-cache-memory).", registry=r).set(pool.usable)
+        Gauge("zaya_kv_cache_block_tokens", "Tokens per KV block (--block-size).", registry=r).set(engine.block_size)
 
-        r.register(_SpeculationCounters(engine))
+        r.register(_EngineCounters(engine))
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -130,15 +133,22 @@ class _Clock:
         log.info(line)
 
 
-class _SpeculationCounters:
-    """Prompt-lookup speculation's draft tokens verified and kept (``Engine.drafted`` / ``accepted``, 0 without
-    ``--speculative-ngram``), read from the engine when scraped; kept / verified is the acceptance rate."""
+class _EngineCounters:
+    """Counters the engine keeps, read when scraped: prompt-lookup speculation's draft tokens verified and kept
+    (``Engine.drafted`` / ``accepted``, 0 without ``--speculative-ngram``; kept / verified is the acceptance rate),
+    prompt tokens looked up in the prefix cache and found there (``prefix_queried`` / ``prefix_hits``; found /
+    looked up is the hit rate), and cached blocks evicted."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def collect(self):
-        yield CounterMetricFamily("zaya_spec_decode_draft_tokens", "Draft tokens verified by speculative decoding.",
-                                  value=self.engine.drafted)
-        yield CounterMetricFamily("zaya_spec_decode_accepted_tokens", "Draft tokens speculative decoding kept.",
-                                  value=self.engine.accepted)
+        e = self.engine
+        for name, doc, value in (
+                ("zaya_spec_decode_draft_tokens", "Draft tokens verified by speculative decoding.", e.drafted),
+                ("zaya_spec_decode_accepted_tokens", "Draft tokens speculative decoding kept.", e.accepted),
+                ("zaya_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", e.prefix_queried),
+                ("zaya_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
+                 e.prefix_hits),
+                ("zaya_kv_cache_evictions", "Cached KV blocks reclaimed for new tokens.", e.decoder.pool.evictions)):
+            yield CounterMetricFamily(name, doc, value=value)

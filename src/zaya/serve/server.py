@@ -40,6 +40,7 @@ from zaya.serve.api import APIError, ChatRequest, CompletionRequest, describe_va
 from zaya.serve.gate import Gate, exposure_warning
 from zaya.serve.chat import ChatTemplate, ChatTemplateError
 from zaya.serve.engine import ContextLengthError, Engine
+from zaya.serve.kv_budget import describe, kv_blocks
 from zaya.serve.limits import ServeLimits, context_length
 from zaya.serve.metrics import ServeMetrics
 from zaya.serve.prompt import encode_prompt
@@ -438,10 +439,14 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
 
 def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_name: str = "zaya",
           num_slots: int = 16, capacity: int | None = None, prefill_chunk: int = 512,
-          limits: ServeLimits | None = None, speculative_ngram: int = 0, speculative_tokens: int = 4) -> None:
-    """Run the server until SIGTERM / SIGINT (uvicorn); ``speculative_*``: the engine's prompt-lookup speculation. The signal stops new connections; requests still running
-    ``limits.shutdown_timeout`` seconds later are stopped (a 503, or an error event ending the stream), and the
-    server exits. A second SIGINT exits at once."""
+          limits: ServeLimits | None = None, speculative_ngram: int = 0, speculative_tokens: int = 4,
+          kv_cache_memory: int | None = None, block_size: int = 16, prefix_caching: bool = True) -> None:
+    """Run the server until SIGTERM / SIGINT (uvicorn). ``num_slots`` sequences at once of up to ``capacity``
+    tokens, whose keys and values share a pool of ``kv_cache_memory`` bytes (None: ``zaya.serve.kv_budget``'s
+    default) in blocks of ``block_size`` tokens; ``prefix_caching``: reuse cached prompt prefixes;
+    ``speculative_*``: the engine's prompt-lookup speculation. The signal stops new connections; requests still
+    running ``limits.shutdown_timeout`` seconds later are stopped (a 503, or an error event ending the stream), and
+    the server exits. A second SIGINT exits at once."""
     import uvicorn
 
     limits = limits or ServeLimits()
@@ -449,13 +454,18 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_nam
     if warning:
         print(f"# warning: {warning}", file=sys.stderr)
     capacity = context_length(capacity, model.config.max_seq_len)
-    try:  # the slots' memory is checked before any of it is allocated
+    blocks = kv_blocks(model, num_slots, capacity, block_size, kv_cache_memory, prefix_caching)
+    try:  # the memory is checked before any of it is allocated
         engine = Engine(model, num_slots=num_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                        speculative_ngram=speculative_ngram, speculative_tokens=speculative_tokens)
+                        speculative_ngram=speculative_ngram, speculative_tokens=speculative_tokens,
+                        block_size=block_size, kv_blocks=blocks, prefix_caching=prefix_caching)
     except SlotMemoryError as exc:
-        raise ConfigError(f"{exc.what}: pass fewer --slots (now {num_slots}) or a smaller --max-model-len (now "
-                          f"{capacity}), the context each slot holds") from None
+        raise ConfigError(f"{exc.what}: pass fewer --max-num-seqs (now {num_slots}), a smaller --max-model-len "
+                          f"(now {capacity}), the context each sequence may reach, or a smaller "
+                          f"--kv-cache-memory") from None
+    print(f"# KV cache: {describe(blocks, block_size, model, prefix_caching)}, "
+          f"prefix caching {'on' if prefix_caching else 'off'}", file=sys.stderr)
     app = build_app(engine, tokenizer, model_name, limits=limits)
     if not log.handlers:  # the requests' lines (zaya.serve.metrics) on stderr beside uvicorn's
         handler = logging.StreamHandler()
