@@ -276,12 +276,18 @@ class SlotDecoder:
         num_blocks = num_blocks or num_slots * blocks_per_slot + 1
         columns = capacity + 1
         total = num_slots * columns + 8 * columns + 8 * num_slots * blocks_per_slot  # mask, key index, table
+        total += num_blocks * SlotDecoder.block_bytes(model, block_size, dtype, prefix_states)
         for block in model.blocks:
-            att = block.attention
-            total += num_blocks * _LayerPages.bytes_per_block(att, block_size, dtype, prefix_states)
             total += sum(t.numel() * t.element_size()
-                         for t in att.new_cca_state(num_slots, dtype, torch.device("meta")).values())
+                         for t in block.attention.new_cca_state(num_slots, dtype, torch.device("meta")).values())
         return total
+
+    @staticmethod
+    def block_bytes(model, block_size: int = 16, dtype: torch.dtype | None = None,
+                    prefix_states: bool = False) -> int:
+        """Bytes one block of the pool takes, over every layer."""
+        dtype = dtype or model.embed.weight.dtype
+        return sum(_LayerPages.bytes_per_block(b.attention, block_size, dtype, prefix_states) for b in model.blocks)
 
     # ------------------------------------------------------------------------------------------- slots
     def reset(self, slot: int, count: int = 1) -> None:
