@@ -33,17 +33,34 @@ from zaya.core.fsutil import read_regular
 from zaya.data.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG, read_tokenizer_config, special_token_names
 
 DEFAULT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] not in ('system', 'user', 'assistant') -%}"
-    "{{ raise_exception('unknown role ' ~ message['role'] ~ ': use system, user or assistant') }}"
+    "{%- if tools -%}"
+    "Tools: to call a function, write <tool_call>{\"name\": NAME, \"arguments\": ARGUMENTS}</tool_call>. The "
+    "functions:"
+    "{%- for tool in tools -%}{{ '\\n' }}{{ tool | tojson }}{%- endfor -%}"
+    "{{ '\\n\\n' }}"
     "{%- endif -%}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}{{ '\\n\\n' }}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ('system', 'user', 'assistant', 'tool') -%}"
+    "{{ raise_exception('unknown role ' ~ message['role'] ~ ': use system, user, assistant or tool') }}"
+    "{%- endif -%}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "<tool_call>{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "</tool_call>"
+    "{%- endfor -%}"
+    "{{ '\\n\\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}Assistant:{%- endif -%}")
 """zaya's chat template, for base models trained on plain documents: each message is its role's name, a colon, a
-space and the content, then a blank line; a prompt ends with ``Assistant:``."""
+space and the content, then a blank line; a prompt ends with ``Assistant:``. With ``tools`` (OpenAI's and
+transformers' shape: ``{"type": "function", "function": {"name", "description", "parameters"}}``) a first block
+``Tools:`` states the call convention and lists them, one JSON per line; an assistant message's ``tool_calls``
+follow its content as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` each (``zaya.serve.tools``), and
+a tool's result is a ``Tool:`` message."""
 DEFAULT_STOP = "\n\nUser:"
-"""A base model does not know to stop after its turn: serving with ``DEFAULT_TEMPLATE`` stops at this string."""
+"""A base model does not know to stop after its turn: serving with ``DEFAULT_TEMPLATE`` stops at this string (and
+at ``TOOL_STOP``: a model that called a tool waits for its result)."""
+TOOL_STOP = "\n\nTool:"
 ROLES = ("system", "user", "assistant")
 MAX_TEMPLATE_BYTES = 1 << 20
 """The largest chat_template.jinja read (real ones are a few KB)."""
@@ -109,12 +126,15 @@ def find_template(directory: Path | None) -> TemplateSource | None:
 
 
 def template_variables(tokenizer, special_tokens: dict[str, str], messages: list[dict],
-                       add_generation_prompt: bool) -> dict:
+                       add_generation_prompt: bool, tools: list[dict] | None = None) -> dict:
     """What a template sees, as transformers passes it: the config's special token names, the tokenizer's bos and
-    eos, the messages and ``add_generation_prompt``."""
-    return {**special_tokens, "messages": messages, "add_generation_prompt": add_generation_prompt,
-            "bos_token": tokenizer.token_text(tokenizer.special.bos),
-            "eos_token": tokenizer.token_text(tokenizer.special.eos)}
+    eos, the messages, ``add_generation_prompt`` and ``tools`` when there are any."""
+    variables = {**special_tokens, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                 "bos_token": tokenizer.token_text(tokenizer.special.bos),
+                 "eos_token": tokenizer.token_text(tokenizer.special.eos)}
+    if tools:
+        variables["tools"] = tools
+    return variables
 
 
 def check_messages(messages: object) -> str | None:

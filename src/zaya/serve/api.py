@@ -9,16 +9,21 @@ makes a non-finite probability (a temperature below ``MIN_TEMPERATURE`` is greed
 text holds no unpaired surrogate (``"\ud800"`` is valid JSON but no UTF-8 text). Extensions beyond OpenAI's fields:
 ``top_k`` and ``repetition_penalty``; ``ignore_eos`` (keep generating past an end of document). Chat content is a
 string or a list of text parts (joined); another part type (an image, audio) is refused, naming it. The
-``developer`` role is a ``system`` message to the template, as OpenAI treats it for models without its own. Limits that depend
+``developer`` role is a ``system`` message to the template, as OpenAI treats it for models without its own. Chat
+takes ``response_format`` (text, json_object, json_schema), ``tools`` (at most ``MAX_TOOLS`` functions) and
+``tool_choice``, and ``tool`` messages and assistant ``tool_calls`` in the conversation (``zaya.serve.tools``,
+``zaya.serve.structured``). Limits that depend
 on the server (token ids within its vocabulary, prompts per request, the context length) are checked by
 ``zaya.serve.server``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr,
+                      model_validator)
 
 from zaya.serve.sampling import SEED_RANGE
 
@@ -30,6 +35,8 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 PENALTY_RANGE = (-2.0, 2.0)
 """OpenAI's range for ``presence_penalty`` and ``frequency_penalty``."""
 MAX_LOGPROBS = 20
+MAX_TOOLS = 64
+"""Functions declared in one request (``tools``), and tool calls in one message."""
 
 
 def _utf8(text: str) -> str:
@@ -46,6 +53,8 @@ Text = Annotated[StrictStr, AfterValidator(_utf8)]
 StopText = Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS), AfterValidator(_utf8)]
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 """A finite JSON number (an int is taken as a float; a bool or a string is refused)."""
+Name = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+"""A function's or a response format's name, as OpenAI restricts it."""
 
 
 class APIError(Exception):
@@ -119,19 +128,118 @@ class ContentPart(BaseModel):
     text: Text
 
 
-class ChatMessage(BaseModel):
+class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[ContentPart]
-    name: Text | None = None
+    name: Text
+    arguments: Text
+    """JSON text, as OpenAI sends it back."""
+
+
+class MessageToolCall(BaseModel):
+    """A tool call of an earlier assistant message."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
 
     def for_template(self) -> dict:
-        """The message as the chat template takes it: text content (parts joined), ``developer`` as ``system``."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """As Hugging Face chat templates take it: the arguments as an object when they parse as one."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class ChatMessage(BaseModel):
+    """A message; ``tool_calls`` on an assistant message only (its content may then be null), ``tool_call_id``
+    on a ``tool`` message (the result of that call) only."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: Text | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only on an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role!r} ones")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("a tool message needs tool_call_id (the call it answers)" if self.role == "tool" else
+                             f"tool_call_id belongs to tool messages, not {self.role!r} ones")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as the chat template takes it: text content (parts joined), ``developer`` as ``system``,
+        tool calls with their arguments as objects."""
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Name
+    description: Text | None = None
+    parameters: dict | None = None
+    """A JSON schema of the arguments object (none: the function takes no arguments)."""
+    strict: StrictBool | None = None
+    """Accepted; a forced call (``tool_choice`` required or named) is always held to its schema."""
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Name
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call that function."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Name
+    description: Text | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: StrictBool | None = None
+    """Accepted; the schema is always enforced."""
+
+
+class ResponseFormat(BaseModel):
+    """``text`` (the default), ``json_object`` (any JSON object) or ``json_schema`` (a value its schema
+    validates)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> "ResponseFormat":
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        return self
 
 
 class ChatRequest(_Sampling):
@@ -142,9 +250,47 @@ class ChatRequest(_Sampling):
     max_completion_tokens: StrictInt | None = Field(None, ge=0)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    def check_tools(self) -> None:
+        """``APIError`` for tools with a name twice, or a ``tool_choice`` they cannot meet."""
+        names = [t.function.name for t in self.tools or ()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise APIError(400, f"tools: the function {twice[0]!r} is declared twice", param="tools",
+                           code="invalid_value")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(400, f"tool_choice: names the function {choice.function.name!r}, which tools does not "
+                                "declare", param="tool_choice.function.name", code="invalid_value")
+        if choice == "required" and not names:
+            raise APIError(400, "tool_choice: 'required' needs tools", param="tool_choice", code="invalid_value")
+
+    @property
+    def choice(self) -> str:
+        """How tools are used: ``none`` (no tools, or ``tool_choice: none``), ``auto``, ``required``, or the name
+        of the function to call."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
+
+    def tool_names(self) -> set[str]:
+        """The functions a reply may call (none with ``tool_choice: none``)."""
+        return set() if self.choice == "none" else {t.function.name for t in self.tools}
 
     def template_messages(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template takes them (OpenAI's and transformers' shape), none with
+        ``tool_choice: none``."""
+        if self.choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 def error_code(kind: str) -> str:

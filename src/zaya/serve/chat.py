@@ -1,7 +1,8 @@
 """Turning chat messages into a prompt.
 
 The tokenizer's own chat template when its directory has one, else zaya's ``DEFAULT_TEMPLATE`` (with
-``DEFAULT_STOP`` as a stop string, since a base model does not know to stop after its turn); found, rendered and
+``DEFAULT_STOP`` and ``TOOL_STOP`` as stop strings, since a base model does not know to stop after its turn);
+tools (OpenAI's ``tools``) go to the template as transformers passes them; found, rendered and
 encoded as ``zaya.data.chat_template`` says (the prompt starts with the tokenizer's ``prefix_ids`` exactly once). A
 tokenizer's template is rendered in the sandbox and the child process of ``zaya.data.template_sandbox`` (a template
 is code from whoever wrote the checkpoint). A template that does not parse (compiled in the child when the server
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 
 from zaya.core.errors import ConfigError
-from zaya.data.chat_template import DEFAULT_STOP, DefaultRenderer, find_template, template_variables
+from zaya.data.chat_template import DEFAULT_STOP, TOOL_STOP, DefaultRenderer, find_template, template_variables
 from zaya.data.template_sandbox import MAX_MEMORY, RenderError, TemplateProcess
 from zaya.serve.prompt import encode_prompt
 
@@ -63,12 +64,13 @@ class ChatTemplate:
             return cls(tokenizer)
         return cls(tokenizer, found.jinja, found.where, found.special_tokens, **limits)
 
-    def render(self, messages: list[dict], capacity: int | None = None) -> tuple[list[int], tuple[str, ...]]:
+    def render(self, messages: list[dict], capacity: int | None = None,
+               tools: list[dict] | None = None) -> tuple[list[int], tuple[str, ...]]:
         """The prompt's ids and extra stop strings; with ``capacity``, a prompt certainly longer than that many
         tokens is a ``ContextLengthError`` before it is tokenized whole (``zaya.serve.prompt``)."""
         tok = self.tokenizer
         limit = capacity if capacity is not None else 1 << 62
-        variables = template_variables(tok, self.special_tokens, messages, add_generation_prompt=True)
+        variables = template_variables(tok, self.special_tokens, messages, add_generation_prompt=True, tools=tools)
         try:
             text = (self._default or self._process).render(variables)
         except RenderError as exc:
@@ -77,7 +79,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"{self.where}: the chat template failed ({exc.kind}): {exc.message}",
                                     False) from None
         if self._default is not None:  # zaya's template writes no special token: text spelling one stays text
-            return tok.with_prefix(encode_prompt(tok, text, limit)), (DEFAULT_STOP,)
+            return tok.with_prefix(encode_prompt(tok, text, limit)), (DEFAULT_STOP, TOOL_STOP)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:  # a literal "\ud800" in the template, say: no text a tokenizer takes

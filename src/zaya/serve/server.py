@@ -46,6 +46,8 @@ from zaya.serve.metrics import ServeMetrics
 from zaya.serve.prompt import encode_prompt
 from zaya.serve.request import Request
 from zaya.serve.sampling import SamplingParams
+from zaya.serve.structured import Grammars
+from zaya.serve.tools import ReplyStream, chat_constraint, reply
 from zaya.serve.worker import EngineWorker
 
 log = logging.getLogger("zaya.serve")
@@ -100,6 +102,7 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                                                            max_chars=limits.template_chars)
     eos = engine.model.config.eos_token_id
     metrics = ServeMetrics(engine)
+    grammars = Grammars(tokenizer, eos)
     state: dict = {}
 
     @asynccontextmanager
@@ -182,7 +185,7 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
         return model_card()
 
     def make_request(body, prompt: list[int], max_tokens: int, stops: tuple[str, ...], logprobs: int | None,
-                     prompt_logprobs: bool) -> Request:
+                     prompt_logprobs: bool, constraint=None) -> Request:
         try:
             sampling = SamplingParams(temperature=body.temperature, top_k=body.top_k or None, top_p=body.top_p,
                                       repetition_penalty=body.repetition_penalty,
@@ -190,7 +193,7 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                                       frequency_penalty=body.frequency_penalty, seed=body.seed)
             request = Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=stops,
                               eos_token_id=eos, ignore_eos=body.ignore_eos, logprobs=logprobs,
-                              prompt_logprobs=prompt_logprobs)
+                              prompt_logprobs=prompt_logprobs, constraint=constraint)
             engine.check(request)
         except ContextLengthError as exc:
             raise APIError(400, str(exc), param="messages" if isinstance(body, ChatRequest) else "prompt",
@@ -377,7 +380,7 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
     # ------------------------------------------------------------------------------------------- chat
     def render_chat(body: ChatRequest) -> tuple[list[int], tuple[str, ...]]:
         try:
-            return template.render(body.template_messages(), engine.capacity)
+            return template.render(body.template_messages(), engine.capacity, body.template_tools())
         except ContextLengthError as exc:
             raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from None
         except TokenizerFailure as exc:
@@ -393,7 +396,8 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
         if max_tokens is None:
             max_tokens = max(0, min(512, engine.capacity - len(ids)))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return make_request(body, ids, max_tokens, body.stops() + template_stops, logprobs, False)
+        return make_request(body, ids, max_tokens, body.stops() + template_stops, logprobs, False,
+                            chat_constraint(body, grammars))
 
     def content_logprobs(r: Request, start: int) -> dict:
         return {"content": [{"token": token_text(lp.token), "logprob": lp.logprob,
@@ -403,15 +407,17 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
                             for lp in r.output_logprobs[start:]]}
 
     def chat_response(body: ChatRequest, r: Request, rid: str, created: int) -> dict:
+        message, finish_reason = reply(r.text, r.finish_reason, body.tool_names())
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                "choices": [{"index": 0, "message": message,
                              "logprobs": content_logprobs(r, 0) if body.logprobs else None,
-                             "finish_reason": r.finish_reason}],
+                             "finish_reason": finish_reason}],
                 "usage": usage([r])}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, http: HTTPRequest):
         check_model(body.model)
+        body.check_tools()
         if template.jinja is not None:  # its own thread: a slow template delays no tokenization
             ids, template_stops = await asyncio.get_running_loop().run_in_executor(state["templates"],
                                                                                    render_chat, body)
@@ -421,14 +427,16 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         if body.stream:
+            replies = ReplyStream(body.tool_names())
+
             def chunk(r: Request, sent_text: int, sent_tokens: int, done: bool) -> dict:
-                delta = {"content": r.text[sent_text:]}
+                delta, finish_reason = replies.delta(r.text, done, r.finish_reason)
                 if sent_text == 0 and sent_tokens == 0:
                     delta["role"] = "assistant"
                 return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                         "choices": [{"index": 0, "delta": delta,
                                      "logprobs": content_logprobs(r, sent_tokens) if body.logprobs else None,
-                                     "finish_reason": r.finish_reason if done else None}]}
+                                     "finish_reason": finish_reason}]}
 
             return streaming(r, chunk, body, rid, created, "chat.completion.chunk", http.url.path)
         await run([r], http, rid)

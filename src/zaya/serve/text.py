@@ -31,20 +31,10 @@ class TextStream:
             self.text = text[:cut]
             return self._release(len(self.text))
         self.text = text
-        safe = len(text) - self._partial_stop(text)
+        safe = len(text) - held_back(text, self.stops)
         while safe > self.sent and text[safe - 1] == "\ufffd":
             safe -= 1
         return self._release(max(safe, self.sent))
-
-    def _partial_stop(self, text: str) -> int:
-        """Length of the longest end of ``text`` that is the start of a stop string (held back)."""
-        longest = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
 
     def finish(self) -> str:
         """The rest of the text, at the end of the output."""
@@ -54,3 +44,15 @@ class TextStream:
         piece = self.text[self.sent:end]
         self.sent = max(self.sent, end)
         return piece
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is the start of one of ``stops`` (held back until it is known
+    whether the stop follows)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
