@@ -209,8 +209,10 @@ def _loop_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> to
     """Reference for ``_GroupedLinear``: rows of ``x`` grouped by expert (host ``counts``, at least one row in all),
     times ``weight[e].T``, one matmul per non-empty expert. ``split``/``unbind`` rather than slicing and indexing,
     so the backward assembles one [M, in] and one [E, out, in] gradient instead of zero-filling a full-size
-    gradient per expert."""
-    outs = [rows @ w.t() for rows, w, count in zip(x.split(counts), weight.unbind(0), counts) if count]
+    gradient per expert. Autocast off: both operands come in the experts' dtype (``Experts._gemm_dtype``), as
+    grouped_mm, which has no autocast rule, takes them."""
+    with torch.autocast(x.device.type, enabled=False):
+        outs = [rows @ w.t() for rows, w, count in zip(x.split(counts), weight.unbind(0), counts) if count]
     return torch.cat(outs)
 
 
@@ -248,13 +250,25 @@ class Experts(nn.Module):
             return False
         return ok
 
+    def _gemm_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The experts' compute dtype: autocast's where it is on, else x's; but on a CPU under autocast the weights'
+        (fp32), as transformers' grouped_mm path does. A CPU runs a grouped GEMM as one matmul per expert, with row
+        counts that change every step; a bf16 matmul there goes through oneDNN, which builds a kernel per new shape,
+        and these bf16 expert matmuls are where zaya's aten::mm time went 3.3x transformers' on an AMX Xeon
+        (benchmarks/results.md, "GEMM dtypes")."""
+        if not torch.is_autocast_enabled(x.device.type):
+            return x.dtype
+        if x.device.type == "cpu":
+            return torch.promote_types(x.dtype, self.gate_up_proj.dtype)
+        return torch.get_autocast_dtype(x.device.type)
+
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, D]; experts/weights [N, k] (class ``num_experts`` = skip: zero output, zero gradient).
 
         Returns the sum over slots of weight * expert(x), shape [N, D]."""
         n, k = experts.shape
         e = self.num_experts
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        dtype = self._gemm_dtype(x)
         flat = experts.reshape(-1)
         # Per-class counts on the device (no bincount: on a GPU it reads the maximum back to size its output).
         counts = torch.zeros(e + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
