@@ -2,9 +2,13 @@
 on the tiny shape, same weights, same run, with outputs checked against the greedy argmax of one forward pass;
 (2) a bounded loopback load test of ``zaya serve`` (a fixed number of streaming requests from a few concurrent
 clients); (3) KV + CCA state bytes per token against an MHA model of the same width, from the configs;
-(4) with ``--speculative``, only: prompt-lookup speculation at batch 1 against plain decoding (``bench_speculative``).
+(4) with ``--speculative``, only: prompt-lookup speculation at batch 1 against plain decoding (``bench_speculative``);
+(5) with ``--prefix-cache``, only: time to first token with a 1,024-token prefix cached against not
+(``bench_prefix_cache``); (6) with ``--memory``, only: resident memory of an idle and a busy engine of 16 sequences
+of 131,072 positions against the weights (``bench_memory``).
 
-Run: ``PYTHONPATH=src python benchmarks/serve.py [--threads 1] [--skip-load] [--quick] [--speculative]``
+Run: ``PYTHONPATH=src python benchmarks/serve.py [--threads 1] [--skip-load] [--quick] [--speculative |
+--prefix-cache | --memory]``
 """
 
 from __future__ import annotations
@@ -189,6 +193,80 @@ def bench_speculative(passage: int, new: int, repeats: int, ngram: int = 3, toke
             "drafts_kept": spec.accepted / max(1, spec.drafted), "same_output": True, "repeats": repeats}
 
 
+def bench_prefix_cache(prefix: int, suffix: int, repeats: int) -> dict:
+    """Time to first token of a request whose first ``prefix`` tokens an earlier request already computed, on an
+    engine with prefix caching against one without, interleaved, median of ``repeats`` (a fresh suffix each time);
+    the first tokens and their log-probabilities must agree."""
+    from zaya.serve.engine import Engine
+    from zaya.serve.request import Request
+    from zaya.serve.sampling import SamplingParams
+
+    model, _ = build_models(prefix + suffix + 64)
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, model.config.vocab_size, (prefix,), generator=g).tolist()
+    engines = {"cached": Engine(model, num_slots=1), "cold": Engine(model, num_slots=1, prefix_caching=False)}
+    engines["cached"].run([Request(prompt=shared + [5] * suffix, max_tokens=1)])  # computes and caches the prefix
+    times = {k: [] for k in engines}
+    for i in range(repeats + 1):  # the first round warms up
+        prompt = shared + torch.randint(3, model.config.vocab_size, (suffix,), generator=g).tolist()
+        outs = {}
+        for name, engine in engines.items():
+            t = time.perf_counter()
+            outs[name] = engine.run([Request(prompt=prompt, max_tokens=1, logprobs=0,
+                                             sampling=SamplingParams(temperature=0))])[0]
+            times[name].append(time.perf_counter() - t)
+        a, b = outs["cached"].output_logprobs[0], outs["cold"].output_logprobs[0]
+        if a.token != b.token or abs(a.logprob - b.logprob) > 1e-4:
+            raise SystemExit(f"the cached prefix changed the first token: {a} vs {b}")
+    cached_s, cold_s = statistics.median(times["cached"][1:]), statistics.median(times["cold"][1:])
+    e = engines["cached"]
+    return {"mode": "prefix_cache", "prefix": prefix, "suffix": suffix, "ttft_cold_ms": 1e3 * cold_s,
+            "ttft_cached_ms": 1e3 * cached_s, "speedup": cold_s / cached_s,
+            "hit_rate": e.prefix_hits / e.prefix_queried, "same_first_token": True, "repeats": repeats}
+
+
+def bench_memory(context: int, slots: int, in_flight: int) -> dict:
+    """Resident memory (RSS) of the process: before the model, with the model, with an idle engine of ``slots``
+    sequences of ``context`` tokens, and while ``slots`` requests hold ``in_flight`` tokens each; beside the
+    weights' bytes and what reserving every slot's whole context would take (the engine before paged memory)."""
+    import psutil
+
+    from zaya.model.slots import SlotDecoder
+    from zaya.serve.engine import Engine
+    from zaya.serve.request import Request
+
+    rss = lambda: psutil.Process().memory_info().rss  # noqa: E731
+    base = rss()
+    model, hf = build_models(context)
+    del hf
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with_model = rss()
+    engine = Engine(model, num_slots=slots, capacity=context)
+    idle = rss()
+    g = torch.Generator().manual_seed(4)
+    # distinct prompts (nothing shared through the prefix cache), and enough max_tokens that no request finishes
+    # before the last one is prefilled
+    requests = [Request(prompt=torch.randint(3, model.config.vocab_size, (in_flight - 1,), generator=g).tolist(),
+                        max_tokens=slots * in_flight // 512 + 8) for _ in range(slots)]
+    for r in requests:
+        engine.submit(r)
+    while not all(len(r.output) >= 1 for r in requests):  # every request has its whole prompt in the cache
+        engine.step()
+    busy = rss()
+    held = engine.decoder.pool.held()
+    while engine.busy:
+        engine.step()
+    if any(r.finish_reason != "length" for r in requests):
+        raise SystemExit(f"a request failed: {[r.error for r in requests if r.error]}")
+    full = SlotDecoder.bytes_needed(model, slots, context, prefix_states=True)
+    return {"mode": "memory", "context": context, "slots": slots, "weights_mb": weights / 2**20,
+            "process_before_model_mb": base / 2**20, "model_growth_mb": (with_model - base) / 2**20,
+            "idle_engine_growth_mb": (idle - with_model) / 2**20,
+            "busy_growth_mb": (busy - with_model) / 2**20, "tokens_in_flight": slots * in_flight,
+            "blocks_held": held, "pool_block_bytes": SlotDecoder.block_bytes(model, prefix_states=True),
+            "whole_context_reservation_mb": full / 2**20}
+
+
 async def _client(url: str, jobs: asyncio.Queue, prompt: list[int], max_tokens: int, stats: list) -> None:
     import httpx
 
@@ -286,8 +364,18 @@ def main() -> None:
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--quick", action="store_true", help="short runs (a smoke test of the script)")
     ap.add_argument("--speculative", action="store_true", help="only the prompt-lookup speculation benchmark")
+    ap.add_argument("--prefix-cache", action="store_true", help="only the prefix-cache time-to-first-token benchmark")
+    ap.add_argument("--memory", action="store_true", help="only the resident-memory benchmark (131,072 positions)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.prefix_cache:
+        prefix, suffix = (64, 4) if args.quick else (1024, 16)
+        print(json.dumps(bench_prefix_cache(prefix, suffix, 1 if args.quick else max(5, args.repeats))), flush=True)
+        return
+    if args.memory:
+        context, in_flight = (4096, 64) if args.quick else (131072, 1024)
+        print(json.dumps(bench_memory(context, 16, in_flight)), flush=True)
+        return
     if args.speculative:
         passage, new = (16, 16) if args.quick else (128, 256)
         print(json.dumps(bench_speculative(passage, new, 1 if args.quick else args.repeats)), flush=True)

@@ -254,3 +254,19 @@ def test_a_constraint_restricts_only_its_own_request():
     assert any(t % 2 for t in free.output)  # the mask changed something
     assert plain.output == Engine(model, num_slots=1, capacity=64).run(
         [Request(prompt=_prompt(7, 2), max_tokens=12, sampling=SamplingParams(temperature=0))])[0].output
+
+
+def test_a_request_is_submitted_once():
+    """Submitting a request again (waiting, running or finished) is refused: two slots writing one request's
+    progress would corrupt it."""
+    engine = Engine(served_model(), num_slots=2, capacity=64)
+    r = engine.submit(Request(prompt=_prompt(5, 1), max_tokens=3))
+    with pytest.raises(ValueError, match="submitted before"):
+        engine.submit(r)
+    engine.step()
+    with pytest.raises(ValueError, match="submitted before"):
+        engine.run([r])
+    while engine.busy:
+        engine.step()
+    with pytest.raises(ValueError, match="submitted before"):
+        engine.submit(r)

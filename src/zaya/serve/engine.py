@@ -152,10 +152,16 @@ class Engine:
             raise ValueError(f"logprobs must be None or an int >= 0, not {request.logprobs!r}")
 
     def submit(self, request: Request) -> Request:
-        """Queue ``request`` (checked first); it is admitted by a later ``step``."""
+        """Queue ``request`` (checked first); it is admitted by a later ``step``. A request is submitted once."""
+        if request.finished or request.output or any(request is r for r in self._in_flight()):
+            raise ValueError(f"request {request.id} was submitted before: submit a new Request")
         self.check(request)
         self.waiting.append(request)
         return request
+
+    def _in_flight(self):
+        yield from self.waiting
+        yield from (a.request for a in self.slots if a is not None)
 
     def abort(self, request: Request) -> None:
         """Stop ``request`` now (a client went away); its slot is freed."""
