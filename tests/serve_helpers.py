@@ -1,11 +1,13 @@
 """Shared by the serving tests: a tiny random model on the 512-entry Shakespeare tokenizer (and saved as a
-checkpoint beside a tokenizer), and a uvicorn server on a free loopback port in a background thread."""
+checkpoint beside a tokenizer), a uvicorn server on a free loopback port in a background thread, and the two with
+the openai client on them."""
 
 from __future__ import annotations
 
 import shutil
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -73,3 +75,20 @@ def post_json(url: str, body, key: str | None = None, timeout: float = 30, **kwa
     if key is not None:
         headers["authorization"] = f"Bearer {key}"
     return httpx.post(url, content=json.dumps(body).encode(), headers=headers, timeout=timeout, **kwargs)
+
+
+@contextmanager
+def openai_server(tokenizer_file: Path, vocab_size: int = 512, capacity: int = 128, num_slots: int = 4):
+    """``with openai_server(...) as (tokenizer, engine, client):`` ``served_model`` behind ``build_app`` on a
+    ``ServerThread``, and the official ``openai`` client on it (model name "tiny", no retries)."""
+    import openai
+
+    from zaya.data.tokenizer import Tokenizer
+    from zaya.serve.engine import Engine
+    from zaya.serve.server import build_app
+
+    tok = Tokenizer.from_file(tokenizer_file)
+    engine = Engine(served_model(vocab_size=vocab_size, max_seq_len=capacity), num_slots=num_slots,
+                    capacity=capacity, decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    with ServerThread(build_app(engine, tok, model_name="tiny")) as url:
+        yield tok, engine, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve_helpers import ServerThread, served_model
+from serve_helpers import openai_server
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -33,15 +33,8 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 @pytest.fixture(scope="module")
 def served(shakespeare_dataset):
-    from zaya.data.tokenizer import Tokenizer
-    from zaya.serve.engine import Engine
-    from zaya.serve.server import build_app
-
-    tok = Tokenizer.from_file(shakespeare_dataset / "tokenizer.json")
-    engine = Engine(served_model(vocab_size=576, max_seq_len=512), num_slots=4, capacity=512,
-                    decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
-    with ServerThread(build_app(engine, tok, model_name="tiny")) as url:
-        yield tok, engine, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with openai_server(shakespeare_dataset / "tokenizer.json", vocab_size=576, capacity=512) as served:
+        yield served
 
 
 def _schema_format(schema: dict, name: str = "person") -> dict:

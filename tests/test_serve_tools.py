@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from serve_helpers import ServerThread, served_model
+from serve_helpers import openai_server
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -32,15 +32,8 @@ HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content
 
 @pytest.fixture(scope="module")
 def client(shakespeare_dataset):
-    from zaya.data.tokenizer import Tokenizer
-    from zaya.serve.engine import Engine
-    from zaya.serve.server import build_app
-
-    tok = Tokenizer.from_file(shakespeare_dataset / "tokenizer.json")
-    engine = Engine(served_model(vocab_size=512, max_seq_len=1024), num_slots=4, capacity=1024,
-                    decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
-    with ServerThread(build_app(engine, tok, model_name="tiny")) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with openai_server(shakespeare_dataset / "tokenizer.json", capacity=1024) as (_, _, client):
+        yield client
 
 
 def _check_calls(calls, names) -> None:
