@@ -151,7 +151,7 @@ def serve_and_ask(work: Path, steps: Steps) -> dict:
     row = json.loads((work / "data" / "chat-heldout.jsonl").read_text(encoding="utf-8").splitlines()[0])
     question, answer = row["messages"][0]["content"], row["messages"][-1]["content"]
     port = free_port()
-    argv = ["zaya", "serve", "--checkpoint", f"{work}/chat-hf", "--port", str(port), "--slots", "2"]
+    argv = ["zaya", "serve", "--checkpoint", f"{work}/chat-hf", "--port", str(port), "--max-num-seqs", "2"]
     print(f"\n$ {shlex.join(argv)} &", flush=True)
     start, cpu_start = time.perf_counter(), children_cpu_seconds()
     log = open(work / "serve.log", "w")
