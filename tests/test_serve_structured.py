@@ -65,10 +65,18 @@ def test_json_object_and_streamed_json_schema(served):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def _nested(depth: int) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 def test_refused_schemas_are_400s_naming_the_field(served):
     _, _, client = served
     cases = [(_schema_format({"type": "strin"}), "response_format.json_schema.schema", "strin"),
              (_schema_format({"enum": ["x" * 70_000]}), "response_format.json_schema.schema", "at most 65,536"),
+             (_schema_format(_nested(200)), "response_format.json_schema.schema", "recursion limit"),
              ({"type": "json_schema"}, "response_format", "json_schema is required"),
              ({"type": "xml"}, "response_format.type", "")]
     for fmt, param, words in cases:

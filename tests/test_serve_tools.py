@@ -154,7 +154,8 @@ def test_finding_calls_in_a_reply():
     assert content == "Sure. " and [(c.name, c.arguments) for c in calls] == [("f", '{"a": [1]}'), ("g", "{}")]
     for text in ['<tool_call>{"name": "f", "arguments": {}}', '<tool_call>{"name": "h", "arguments": {}}</tool_call>',
                  '<tool_call>{"name": "f", "arguments": 3}</tool_call>', '<tool_call>{"name": "f"</tool_call>',
-                 '<tool_call>{"name": "f", "arguments": {}}</tool_call> and more', "no call"]:
+                 '<tool_call>{"name": "f", "arguments": {}}</tool_call> and more', "no call",
+                 '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}</tool_call>"]:
         assert parse_calls(text, names) is None, text
         assert reply(text, "length", names) == ({"role": "assistant", "content": text}, "length")
     stream = ReplyStream(names)

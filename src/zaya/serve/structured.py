@@ -39,15 +39,26 @@ class GrammarError(ValueError):
     """A schema or grammar llguidance refuses (or one too large); the message says why."""
 
 
+def schema_text(schema: dict) -> str:
+    """``schema`` as compact JSON (``GrammarError`` when it nests too deeply to be written)."""
+    try:
+        return json.dumps(schema, separators=(",", ":"))
+    except RecursionError:
+        raise GrammarError("the schema nests too deeply") from None
+
+
 def json_schema_grammar(schema: dict) -> str:
     """The grammar of the JSON values ``schema`` describes (``GrammarError`` when it is too large)."""
     from llguidance import LLMatcher
 
-    text = json.dumps(schema, separators=(",", ":"))
+    text = schema_text(schema)
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise GrammarError(f"the schema has {len(text.encode()):,} bytes as JSON; at most {MAX_SCHEMA_BYTES:,} "
                            "are served")
-    return LLMatcher.grammar_from_json_schema(text, overrides=JSON_FORMAT)
+    try:
+        return LLMatcher.grammar_from_json_schema(text, overrides=JSON_FORMAT)
+    except ValueError as exc:  # e.g. nested past its parser's recursion limit
+        raise GrammarError(str(exc)) from None
 
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from zaya.serve.api import APIError
 from zaya.serve.structured import (JSON_FORMAT, JSON_OBJECT, MAX_SCHEMA_BYTES, GrammarConstraint, GrammarError,
-                                     Grammars, json_schema_grammar)
+                                     Grammars, json_schema_grammar, schema_text)
 from zaya.serve.text import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -26,7 +26,7 @@ NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fals
 
 def _lark_json(schema: dict) -> str:
     """``schema`` as llguidance's Lark ``%json`` body, spelled as ``JSON_FORMAT`` says."""
-    text = json.dumps({**schema, "x-guidance": JSON_FORMAT}, separators=(",", ":"))
+    text = schema_text({**schema, "x-guidance": JSON_FORMAT})
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise GrammarError(f"the grammar's schemas have {len(text.encode()):,} bytes as JSON; at most "
                            f"{MAX_SCHEMA_BYTES:,} are served")
@@ -78,12 +78,12 @@ def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]
             return None
         try:
             call = json.loads(body)
-        except ValueError:
+            if not (isinstance(call, dict) and set(call) == {"name", "arguments"} and call["name"] in names
+                    and isinstance(call["arguments"], dict)):
+                return None
+            calls.append(ToolCall(call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
+        except (ValueError, RecursionError):  # not JSON, or nested past what Python's JSON reader takes
             return None
-        if not (isinstance(call, dict) and set(call) == {"name", "arguments"} and call["name"] in names
-                and isinstance(call["arguments"], dict)):
-            return None
-        calls.append(ToolCall(call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
         rest = rest.lstrip()
         if not rest:
             return (content if content.strip() else None), calls
