@@ -307,6 +307,7 @@ def load_test(concurrency: list[int], requests_per_client: int, prompt_len: int,
             return "".join(chr(65 + i % 26) for i in ids)
 
         source = ""
+        prefix_ids: list[int] = []
 
     tok = Tok()
     engine = Engine(model, num_slots=max(concurrency), capacity=prompt_len + max_tokens + 8, decode=tok.decode)
