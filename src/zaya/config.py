@@ -328,6 +328,10 @@ class TrainConfig:
     activation_checkpointing: bool = resumable(False)
     """Recompute each block's activations in the backward instead of keeping them (long sequences: about one
     extra forward of compute for activation memory of one block plus the block inputs)."""
+    compile: Literal["auto", "on", "off"] = resumable("auto")
+    """Compile each decoder block with torch.compile (forward and backward; docs/training.md, "Compiled blocks"):
+    "auto" = on for GPUs, off on the CPU (whose first compile takes minutes); a failed compile falls back to eager
+    with a warning."""
     init_from: str = ""
     """Start from the weights of this checkpoint ("" = random init): a Hugging Face zaya directory, a zaya export,
     a run directory or one training checkpoint. Its model config and tokenizer come with it; optimizer, step and data

@@ -28,6 +28,7 @@ from zaya.core.layout import CHECKPOINTS, METRICS_FILE, TENSORBOARD, TOKENIZER_F
 from zaya.distributed.runtime import Runtime, collective_error, start, stop
 from zaya.train.callbacks import (Callback, CheckpointFailure, Checkpoints, Evaluation, MetricsFile, Plots,
                                   ProgressDisplay, Sample)
+from zaya.train.compile import CompiledBlocks, compile_wanted
 from zaya.train.metrics import RUN_DIR_ELSEWHERE
 from zaya.train.routing_probe import RoutingProbe, probe_sequence
 from zaya.train.run_dir import prepare_run_dir
@@ -78,8 +79,11 @@ class Trainer:
     """Rank 0's hold on the run directory (one job per run directory), released by ``close()``."""
 
     def __init__(self, config: Config, runtime: Runtime, *, run_dir: Path, datasets: dict, schedule: Schedule,
-                 loader, parallel, optimizers: list, store, callbacks: list[Callback], log) -> None:
+                 loader, parallel, optimizers: list, store, callbacks: list[Callback], log,
+                 compiled: CompiledBlocks | None = None) -> None:
         self.config, self.runtime, self.run_dir = config, runtime, run_dir
+        self.compiled = compiled
+        """The blocks under ``train.compile`` (None: eager); steps and validation run through it."""
         self.datasets, self.schedule, self.loader = datasets, schedule, loader
         self.parallel, self.optimizers, self.store = parallel, optimizers, store
         self.callbacks, self.log = callbacks, log
@@ -142,6 +146,7 @@ class Trainer:
             _keep_tokenizer(runtime, run_dir, datasets, init, log)
             parallel = build_model(config, runtime, weights_later=init is not None)
             install_sequence_seam(parallel.model, config, runtime)
+            compiled = CompiledBlocks(parallel.model, log) if compile_wanted(tc.compile, runtime.device) else None
             optimizers = build_optimizers_for(config, parallel)
             store = CheckpointStore(run_dir / CHECKPOINTS, config.checkpoint, runtime, parallel=tc.parallel,
                                     run_dir=run_dir, log=log)
@@ -158,7 +163,7 @@ class Trainer:
                                      Checkpoints(ck.every, tc.max_steps)]
         trainer = cls(config, runtime, run_dir=run_dir, datasets=datasets, schedule=Schedule(config, runtime.dp_size),
                       loader=loader, parallel=parallel, optimizers=optimizers, store=store,
-                      callbacks=standard + list(callbacks or []) + scheduled, log=log)
+                      callbacks=standard + list(callbacks or []) + scheduled, log=log, compiled=compiled)
         trainer.run_lock = lock
         trainer.init_source = init
         try:
@@ -270,6 +275,10 @@ class Trainer:
                        "tokens_per_s": self._trained_tokens / self._train_seconds if self._train_seconds else None,
                        "run_dir": str(self.run_dir), "checkpoint": str(self.newest_checkpoint() or ""),
                        "finished": finished, "interrupted": interrupted, "resumed_from": self.resumed_from}
+            if self.compiled is not None:
+                # The model handed on (the sample's decoding, the caller) runs eagerly: one-token decode steps
+                # at a moving position would recompile the blocks at every token.
+                self.compiled.uncompile()
             self._call("on_stop", summary)
             return summary
         except BaseException as exc:
@@ -361,7 +370,7 @@ class Trainer:
         self.parallel.model.set_rope_theta(plan.rope_theta)
         set_lr(self.optimizers, self.peaks, plan.lr_factor, self._lr_scale)
         self._lr_scale = 1.0
-        values = self.train_step(batches)
+        values = self._eager_if_compile_fails(lambda: self.train_step(batches))
         self.stop_request.agreed, self.checkpoint_failed = values.stop_requested, values.checkpoint_failed
         consumed = sum(b.global_tokens for b in batches)
         p.tokens += consumed
@@ -438,10 +447,9 @@ class Trainer:
             if dataset.split("val").num_tokens <= stage.seq_len * stage.micro_batch_size * rt.dp_size:
                 continue
             with self.full_sequences():  # under cp every rank of a cp group scores its dp rank's share in full
-                part, _ = loss_totals(self.parallel.wrapped, dataset, stage.seq_len, stage.micro_batch_size,
-                                      dc.val_batches, "val", compute_dtype(self.config.train.dtype, rt.device), rt,
-                                      dc.document_positions,
-                                      dc.document_mask)
+                part, _ = self._eager_if_compile_fails(lambda: loss_totals(
+                    self.parallel.wrapped, dataset, stage.seq_len, stage.micro_batch_size, dc.val_batches, "val",
+                    compute_dtype(self.config.train.dtype, rt.device), rt, dc.document_positions, dc.document_mask))
             total += part
         loss_sum, count = rt.read(rt.all_reduce(total, over="dp"))
         self.val_loss = None if count == 0 else loss_sum / count
@@ -449,6 +457,10 @@ class Trainer:
             self._call("on_evaluation", {"kind": "val", "step": p.step, "tokens": p.tokens, "val_loss": self.val_loss,
                                          "val_ppl": perplexity(self.val_loss), "time": time.time()})
         return self.val_loss
+
+    def _eager_if_compile_fails(self, work):
+        """``work()`` (a step, a validation); under ``train.compile``, redone eagerly if compiling fails."""
+        return work() if self.compiled is None else self.compiled.run(work)
 
     def save(self, reason: str) -> None:
         """Checkpoint now (collective). Periodic saves run in the background (checkpoint.async_save); any other

@@ -1,0 +1,77 @@
+"""Regional compilation of the decoder (``train.compile``): every block compiled on its own with ``torch.compile``
+(torchtitan's per-block compilation), forward and backward, with the eager trainer as the fallback.
+
+Per block rather than the whole model: the blocks of one kind share one graph (parameters are graph inputs), so
+compile time does not grow with depth, and what lies between the blocks (the embedding, the head and the chunked
+loss, the optimizers, the collectives) stays eager. Shapes are static (``dynamic=False``): a training run sees a
+few fixed shapes (its micro-batch, the validation batch, the routing probe's one sequence), each compiled once;
+dynamic shapes would recompile on the second and run slower kernels.
+
+Compiled graphs persist in inductor's on-disk caches (FX graph and AOTAutograd caches) under
+``<zaya cache>/inductor`` (``$ZAYA_CACHE_DIR``, else ``~/.cache/zaya``; ``$TORCHINDUCTOR_CACHE_DIR`` when set wins),
+so a second run or a resume of the same shapes skips inductor's code generation and C++ compile.
+
+A compilation that fails (an inductor error, no working C++ compiler, a dynamo error) does not end the run: the
+trainer logs one warning naming the cause, puts the blocks back to eager and redoes the step (or validation) that
+hit it (``CompiledBlocks.run``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, TypeVar
+
+import torch
+from torch import nn
+from torch._dynamo.exc import TorchDynamoException
+
+from zaya.core.fsutil import cache_root
+
+BACKEND = "inductor"
+"""The ``torch.compile`` backend of the blocks (tests swap in a cheaper one that traces the same graphs)."""
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+"""Inductor's cache directory variable; zaya sets it (to ``<zaya cache>/inductor``) only when it is unset."""
+T = TypeVar("T")
+
+
+def compile_wanted(choice: str, device: torch.device) -> bool:
+    """``train.compile`` on ``device``: "auto" compiles on GPUs (CUDA, or ROCm under the same name) and not on the
+    CPU, where inductor's first compile takes minutes on a few cores (docs/training.md, "Compiled blocks"); "on" /
+    "off" as they say."""
+    if choice == "auto":
+        return device.type == "cuda"
+    return choice == "on"
+
+
+class CompiledBlocks:
+    """The model's blocks under ``torch.compile``, and the way back to eager when compiling fails."""
+
+    def __init__(self, model: nn.Module, log: Callable[[str], None]) -> None:
+        self.model, self.log = model, log
+        self.active = True
+        os.environ.setdefault(CACHE_ENV, str(cache_root() / "inductor"))
+        for block in model.blocks:
+            block.compile(backend=BACKEND, dynamic=False)
+
+    def run(self, work: Callable[[], T]) -> T:
+        """``work()``; if compiling one of its graphs fails: one warning, every block eager again, gradients
+        cleared, and ``work()`` once more."""
+        if not self.active:
+            return work()
+        try:
+            return work()
+        except TorchDynamoException as err:
+            inner = getattr(err, "inner_exception", None) or err  # a backend's own error, under dynamo's wrapper
+            cause = f"{type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0]}"
+            self.log(f"warning: train.compile: compiling the blocks failed ({cause}); "
+                     "training eagerly. Set train.compile = \"off\" to skip the attempt")
+            self.uncompile()
+            self.model.zero_grad(set_to_none=True)
+            return work()
+
+    def uncompile(self) -> None:
+        """Every block back to its eager forward (``nn.Module.compile`` keeps the compiled call in
+        ``_compiled_call_impl``; None is its eager state)."""
+        for block in self.model.blocks:
+            block._compiled_call_impl = None
+        self.active = False
