@@ -121,3 +121,28 @@ def test_a_failed_compile_warns_once_and_trains_eagerly(tmp_path, shakespeare_da
 def test_compile_is_on_for_gpus_by_default_and_as_configured():
     assert compile_wanted("auto", torch.device("cuda", 0)) and not compile_wanted("auto", torch.device("cpu"))
     assert compile_wanted("on", torch.device("cpu")) and not compile_wanted("off", torch.device("cuda", 0))
+
+
+def test_the_compile_benchmark_reports_both_steps(monkeypatch, capsys):
+    """`benchmarks/compile.py` on its micro shape through aot_eager, in this process (its whole path; the timings
+    mean nothing here)."""
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "compile.py"
+    monkeypatch.setattr(sys, "argv", ["compile.py", "--shapes", "micro", "--backend", "aot_eager", "--steps", "2",
+                                      "--warmup", "0", "--threads", "1", "--quiet-below", "1"])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first
+    monkeypatch.setattr(compile_module, "BACKEND", compile_module.BACKEND)  # the script sets it
+    monkeypatch.setenv(compile_module.CACHE_ENV, "")  # the script sets it too
+    runpy.run_path(str(script), run_name="__main__")
+    machine, row, final = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert machine["machine"] and machine["threads"] == 1
+    assert row["shape"] == "micro" and row["dtype"] == "fp32" and row["backend"] == "aot_eager", row
+    assert len(row["eager_times_s"]) == len(row["compiled_times_s"]) == 2 and row["speedup"] > 0, row
+    # The ratio of the unrounded medians; the printed ones are rounded to 1e-4 s (steps of tens of ms here).
+    assert abs(row["speedup"] - row["eager_step_s"] / row["compiled_step_s"]) <= 0.01 * row["speedup"], row
+    assert row["max_loss_rel_diff"] < 1e-5, row  # the same steps (aot_eager: aten's decompositions' rounding)
+    assert final == {"final": True, "speedups": {"micro/fp32": row["speedup"]}, "target": 1.3, "target_met": False}
