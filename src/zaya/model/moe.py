@@ -43,6 +43,11 @@ from zaya.core.device import backward_without_autocast
 from zaya.model.router import build_router
 
 
+CPU_EXPERTS_IN_WEIGHT_DTYPE = True
+"""Under autocast on a CPU, the experts' GEMMs run in the weights' dtype (``Experts._gemm_dtype``). The activation
+trace (``zaya.tune.activation_trace``), which models a GPU's autocast on the CPU, turns it off."""
+
+
 class _DispatchRows(torch.autograd.Function):
     """``x[dest // k]``: gather the (token, slot) assignments in expert order, rows ``[M, D]``.
 
@@ -230,6 +235,9 @@ class Experts(nn.Module):
         self.has_skip = cfg.num_router_classes > cfg.num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(cfg.num_experts, 2 * cfg.expert_hidden_size, cfg.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, cfg.expert_hidden_size))
+        self.dispatcher = None
+        """The seam for experts held on other ranks (``zaya.distributed.expert_parallel``): when set, ``forward``
+        is ``dispatcher(self, x, experts, weights)``, which runs this rank's experts with ``run_grouped``."""
 
     def _use_grouped_mm(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
         if self.impl == "loop":
@@ -258,7 +266,7 @@ class Experts(nn.Module):
         (benchmarks/results.md, "GEMM dtypes")."""
         if not torch.is_autocast_enabled(x.device.type):
             return x.dtype
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and CPU_EXPERTS_IN_WEIGHT_DTYPE:
             return torch.promote_types(x.dtype, self.gate_up_proj.dtype)
         return torch.get_autocast_dtype(x.device.type)
 
@@ -266,6 +274,8 @@ class Experts(nn.Module):
         """x [N, D]; experts/weights [N, k] (class ``num_experts`` = skip: zero output, zero gradient).
 
         Returns the sum over slots of weight * expert(x), shape [N, D]."""
+        if self.dispatcher is not None:
+            return self.dispatcher(self, x, experts, weights)
         n, k = experts.shape
         e = self.num_experts
         dtype = self._gemm_dtype(x)
@@ -308,6 +318,19 @@ class Experts(nn.Module):
         y = _loop_linear(_SwiGLU.apply(h), self.down_proj.to(dtype), host_counts)
         out = _CombineRows.apply(y, weights.reshape(-1).to(dtype), dest)
         return out.view(n, k, -1).sum(1) if k > 1 else out
+
+    def run_grouped(self, xs: torch.Tensor, counts: torch.Tensor, host_counts: list[int]) -> torch.Tensor:
+        """The experts this module holds over rows ``xs`` [M, D] already grouped by expert (``counts`` [E_held] on
+        the device, ``host_counts`` the same on the host, summing to M > 0), in the experts' compute dtype; [M, D].
+        The expert-parallel dispatcher's compute step (every row is routed: no skipped tail)."""
+        dtype = self._gemm_dtype(xs)
+        xs = xs.to(dtype)
+        if self._use_grouped_mm(xs, dtype):
+            offsets, empty = counts.cumsum(0).to(torch.int32), counts == 0
+            h = _GroupedLinear.apply(xs, self.gate_up_proj.to(dtype), offsets, empty, None)
+            return _GroupedLinear.apply(_SwiGLU.apply(h), self.down_proj.to(dtype), offsets, empty, None)
+        h = _loop_linear(xs, self.gate_up_proj.to(dtype), host_counts)
+        return _loop_linear(_SwiGLU.apply(h), self.down_proj.to(dtype), host_counts)
 
     @torch.no_grad()
     def reset_parameters(self, std: float, out_std: float) -> None:

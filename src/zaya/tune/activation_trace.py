@@ -15,7 +15,8 @@ layers and sequences (``ActivationModel``); the tests check that against full tr
 
 Two stand-ins, both shape-exact: ``F.grouped_mm``'s fake kernel accepts bf16 only, so in fp32 traces it returns an
 empty tensor of the right shape (the CPU's real kernel takes fp32); and the trace runs on the CPU's autocast
-policy, which casts the same matmuls to bf16 as CUDA's.
+policy, which casts the same matmuls to bf16 as CUDA's, with the experts' GEMMs in autocast's dtype as on a GPU
+(a CPU keeps them in fp32: ``zaya.model.moe.CPU_EXPERTS_IN_WEIGHT_DTYPE``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,18 @@ def _grouped_mm_for(dtype: torch.dtype) -> Iterator[None]:
         F.grouped_mm = real
 
 
+@contextlib.contextmanager
+def _experts_as_on_a_gpu() -> Iterator[None]:
+    from zaya.model import moe
+
+    saved = moe.CPU_EXPERTS_IN_WEIGHT_DTYPE
+    moe.CPU_EXPERTS_IN_WEIGHT_DTYPE = False
+    try:
+        yield
+    finally:
+        moe.CPU_EXPERTS_IN_WEIGHT_DTYPE = saved
+
+
 # The fused loss runs a Python loop over row chunks; a trace takes at most this many (bigger chunks, see below).
 TRACE_MAX_CHUNKS = 64
 
@@ -101,7 +114,8 @@ def trace_micro_batch(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str 
     "bfloat16": FSDP2's mixed precision, which all-gathers bf16 weights, so autocast makes no copy).
     """
     compute = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    with FakeTensorMode(), _grouped_mm_for(compute), _loss_chunks(batch * seq_len, cfg.vocab_size):
+    with FakeTensorMode(), _grouped_mm_for(compute), _experts_as_on_a_gpu(), \
+            _loss_chunks(batch * seq_len, cfg.vocab_size):
         from zaya.model import ZayaForCausalLM
 
         model = ZayaForCausalLM(cfg)
