@@ -13,10 +13,10 @@ It costs seconds, not memory, for any model size, so ``zaya plan`` traces the re
 length. To keep it quick at depth it traces one and two layers at one and two sequences and extrapolates linearly in
 layers and sequences (``ActivationModel``); the tests check that against full traces and against real runs.
 
-Two stand-ins, both shape-exact: ``F.grouped_mm``'s fake kernel accepts bf16 only, so in fp32 traces it returns an
-empty tensor of the right shape (the CPU's real kernel takes fp32); and the trace runs on the CPU's autocast
-policy, which casts the same matmuls to bf16 as CUDA's, with the experts' GEMMs in autocast's dtype as on a GPU
-(a CPU keeps them in fp32: ``zaya.model.moe.CPU_EXPERTS_IN_WEIGHT_DTYPE``).
+Two stand-ins, both shape-exact: ``F.grouped_mm``'s fake kernel accepts bf16 only, so fp32 traces call
+``zaya::grouped_mm``, whose fake kernel gives the result's shape (the CPU's real kernel takes fp32); and the trace
+runs on the CPU's autocast policy, which casts the same matmuls to bf16 as CUDA's, with the experts' GEMMs in
+autocast's dtype as on a GPU (a CPU keeps them in fp32: ``zaya.model.moe.CPU_EXPERTS_IN_WEIGHT_DTYPE``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zaya.config import ModelConfig
@@ -54,9 +55,11 @@ class Trace:
 
 
 def _shape_only_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, **_) -> torch.Tensor:
-    """An uninitialised result of ``F.grouped_mm``'s shape and dtype (2-D x 3-D -> 2-D; 2-D x 2-D -> [groups, ...])."""
-    shape = (a.shape[0], b.shape[-1]) if b.dim() == 3 else (offs.shape[0], a.shape[0], b.shape[1])
-    return a.new_empty(shape)
+    """``F.grouped_mm`` through ``zaya::grouped_mm``, whose fake kernel gives the result's shape and dtype (and a
+    trace still sees one grouped GEMM)."""
+    from zaya.model import moe  # noqa: F401  (registers the op)
+
+    return torch.ops.zaya.grouped_mm(a, b, offs)
 
 
 @contextlib.contextmanager
@@ -89,20 +92,41 @@ TRACE_MAX_CHUNKS = 64
 
 
 @contextlib.contextmanager
-def _loss_chunks(tokens: int, vocab: int) -> Iterator[None]:
-    """Trace the loss with at most TRACE_MAX_CHUNKS chunks. Its temporaries are a few fp32 buffers of one chunk, so
-    a bigger chunk over-states the peak by a few times (trace chunk - real chunk) x 4 bytes: at most about
-    tokens x vocab / 8 bytes, under 0.2 % of any peak that includes the tokens' logits (tokens x vocab x 2 or 4)."""
+def _loss_chunks(tokens: int, vocab: int, max_chunks: int | None) -> Iterator[None]:
+    """Trace the loss with at most ``max_chunks`` chunks (None: the real ones). Its temporaries are a few fp32
+    buffers of one chunk, so a bigger chunk over-states the peak by a few times (trace chunk - real chunk) x 4 bytes:
+    at TRACE_MAX_CHUNKS at most about tokens x vocab / 8 bytes, under 0.2 % of any peak that includes the tokens'
+    logits (tokens x vocab x 2 or 4)."""
     from zaya.model import loss
     from zaya.core.hardware import load_profile
 
     real = loss.CHUNK_ELEMENTS or load_profile(torch.device("cpu")).loss_chunk_elements
     saved = loss.CHUNK_ELEMENTS
-    loss.CHUNK_ELEMENTS = max(real, math.ceil(tokens * vocab / TRACE_MAX_CHUNKS))
+    loss.CHUNK_ELEMENTS = real if max_chunks is None else max(real, math.ceil(tokens * vocab / max_chunks))
     try:
         yield
     finally:
         loss.CHUNK_ELEMENTS = saved
+
+
+@contextlib.contextmanager
+def fake_model(cfg: ModelConfig, tokens: int, *, dtype: str = "bfloat16", activation_checkpointing: bool = False,
+               param_dtype: str = "float32", max_loss_chunks: int | None = TRACE_MAX_CHUNKS) -> Iterator[nn.Module]:
+    """``cfg``'s ``ZayaForCausalLM`` built under ``FakeTensorMode`` (on while the block runs) with the stand-ins
+    above, for a micro-batch of ``tokens`` tokens: the one setup of every trace of a training step (this module's
+    memory, ``zaya.tune.cost``'s kernels). ``max_loss_chunks``: None traces the loss's real row chunks."""
+    compute = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    with FakeTensorMode(), _grouped_mm_for(compute), _experts_as_on_a_gpu(), \
+            _loss_chunks(tokens, cfg.vocab_size, max_loss_chunks):
+        from zaya.model import ZayaForCausalLM
+
+        model = ZayaForCausalLM(cfg)
+        model.activation_checkpointing = activation_checkpointing
+        if param_dtype == "bfloat16":
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
+        yield model
 
 
 def trace_micro_batch(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str = "bfloat16",
@@ -114,16 +138,9 @@ def trace_micro_batch(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str 
     "bfloat16": FSDP2's mixed precision, which all-gathers bf16 weights, so autocast makes no copy).
     """
     compute = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    with FakeTensorMode(), _grouped_mm_for(compute), _experts_as_on_a_gpu(), \
-            _loss_chunks(batch * seq_len, cfg.vocab_size):
-        from zaya.model import ZayaForCausalLM
-
-        model = ZayaForCausalLM(cfg)
-        model.activation_checkpointing = activation_checkpointing
+    with fake_model(cfg, batch * seq_len, dtype=dtype, activation_checkpointing=activation_checkpointing,
+                    param_dtype=param_dtype) as model:
         params = [p for p in model.parameters() if p.requires_grad]
-        if param_dtype == "bfloat16":
-            for p in params:
-                p.data = p.data.to(torch.bfloat16)
         # Each gradient lives from its computation until it is accumulated, then leaves the count: DDP copies it
         # into its bucket (allocated for good, counted by the planner), FSDP2 reduce-scatters it (the planner adds
         # one block's unsharded gradients).
