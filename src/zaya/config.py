@@ -325,6 +325,10 @@ class TrainConfig:
     context_parallel_method: Literal["allgather", "ring"] = resumable("allgather")
     """How cp ranks attend across the split: "allgather" (gather every KV head, the default: CCA's K/V are small)
     or "ring" (K/V blocks passed around the ring; memory for two blocks, not the whole sequence's K/V)."""
+    expert_parallel: int = ranged(1, 1, resumable=True)
+    """Expert-parallel ranks (ep): consecutive groups of this many ranks split every MoE layer's experts, each rank
+    holding num_experts / ep of them, and send each token to its experts' rank and back (all-to-all; docs/training.md,
+    "Expert parallelism"). Must divide the world size and model.num_experts; train.parallel "ddp" or "zero1"."""
     activation_checkpointing: bool = resumable(False)
     """Recompute each block's activations in the backward instead of keeping them (long sequences: about one
     extra forward of compute for activation memory of one block plus the block inputs)."""
@@ -339,7 +343,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "train")
-        for key in ("max_steps", "micro_batch_size", "seq_len", "log_every", "context_parallel"):
+        for key in ("max_steps", "micro_batch_size", "seq_len", "log_every", "context_parallel", "expert_parallel"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} = {getattr(self, key)!r}: must be a positive integer")
         for key in ("eval_every", "global_batch_tokens"):
@@ -616,6 +620,18 @@ class Config:
             raise ConfigError(f"train.seq_len = {self.train.seq_len} > model.max_seq_len = {self.model.max_seq_len}")
         if not self.stages:
             self._check_context_parallel(self.train.seq_len, "train.seq_len", self.train.context_parallel)
+        ep = self.train.expert_parallel
+        if ep > 1 and self.model.num_experts % ep:
+            fits = [n for n in range(1, self.model.num_experts + 1) if self.model.num_experts % n == 0]
+            raise ConfigError(f"train.expert_parallel = {ep} does not divide model.num_experts = "
+                              f"{self.model.num_experts}: pass --set train.expert_parallel=N with N one of {fits}")
+        if ep > 1 and self.train.init_from:
+            raise ConfigError(f"train.init_from with train.expert_parallel = {ep} is not done yet: initialise with "
+                              "train.expert_parallel=1 and max_steps=1, then resume that run at the degree you want "
+                              "(checkpoints load at any degree)")
+        if ep > 1 and self.train.parallel == "fsdp":
+            raise ConfigError(f'train.expert_parallel = {ep} works with train.parallel "ddp" or "zero1", not "fsdp" '
+                              '(not done yet): pass --set train.parallel=zero1, or train.expert_parallel=1')
 
     def stage_context_parallel(self, name: str) -> int:
         """The context-parallel size the stage called ``name`` runs with."""

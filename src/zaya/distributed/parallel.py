@@ -52,6 +52,9 @@ class Parallel:
     owner: dict[int, int] = field(default_factory=dict)   # zero1: id(param) -> owning dp rank
     settings: dict[str, Any] = field(default_factory=dict)
     """The collective settings in use (``bucket_cap_mb`` or ``reshard_after_forward``) and their ``source``."""
+    experts: Any = None
+    """The ``ExpertParallel`` layout under ``train.expert_parallel`` > 1 (its expert shards are outside DDP), else
+    None."""
 
     def describe(self) -> str:
         """The collective settings and where they came from, for the start-up log ("" in a single process)."""
@@ -59,7 +62,8 @@ class Parallel:
             return ""
         values = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in self.settings.items() if k != "source")
-        return f"{self.mode} {values} ({self.settings['source']})"
+        ep = "" if self.experts is None else f", {self.experts.describe()}"
+        return f"{self.mode} {values} ({self.settings['source']}){ep}"
 
     @property
     def sharded(self) -> bool:
@@ -75,10 +79,16 @@ class Parallel:
         return None
 
     def owned(self, params: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
-        """The parameters this rank's optimizer steps (all of them except under zero1)."""
+        """The parameters this rank's optimizer steps (all of them except under zero1, where it steps its own
+        subset and, under expert parallelism, its expert shards)."""
         if self.mode != "zero1" or not self.runtime.distributed:
             return params
-        return [(n, p) for n, p in params if self.owner[id(p)] == self.runtime.grad_rank]
+        return [(n, p) for n, p in params if self.owner.get(id(p), self.runtime.grad_rank) == self.runtime.grad_rank]
+
+    def finish_gradients(self) -> None:
+        """After the last micro-batch's backward: the expert shards' gradient reduction (expert parallelism)."""
+        if self.experts is not None:
+            self.experts.reduce_gradients()
 
     @contextmanager
     def accumulating(self, is_last: bool) -> Iterator[None]:
@@ -103,7 +113,7 @@ class Parallel:
         group = self.runtime.grad_group
         by_owner: dict[int, list[torch.Tensor]] = {}
         for p in self.model.parameters():
-            if p.requires_grad:
+            if p.requires_grad and id(p) in self.owner:  # expert shards are their own rank's
                 by_owner.setdefault(self.owner[id(p)], []).append(p.data)
         for rank in sorted(by_owner):
             tensors = by_owner[rank]
@@ -131,8 +141,9 @@ def mixed_precision(dtype: str) -> Any:
     return MixedPrecisionPolicy()
 
 
-def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32") -> Parallel:
-    """Wrap ``model`` (already on ``runtime.device``) for ``mode`` over the gradient mesh (every rank)."""
+def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32", experts: Any = None) -> Parallel:
+    """Wrap ``model`` (already on ``runtime.device``) for ``mode`` over the gradient mesh (every rank).
+    ``experts``: an ``ExpertParallel`` that has sharded the model's experts (ddp and zero1 only)."""
     if mode not in MODES:
         raise ValueError(f"unknown parallel mode {mode!r}; use one of {', '.join(MODES)}")
     if not runtime.distributed:
@@ -143,6 +154,8 @@ def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32") 
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        if experts is not None:  # reduced over their replicas only (ExpertParallel.reduce_gradients)
+            DDP._set_params_and_buffers_to_ignore_for_model(model, experts.names(model))
         with warnings.catch_warnings():
             # torch 2.13 deprecates broadcast_buffers but advises keeping broadcast_buffers=False for rank-local
             # buffers (the routers' balancing state is updated identically on every rank, never broadcast) until
@@ -150,10 +163,11 @@ def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32") 
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated", category=FutureWarning)
             wrapped = DDP(model, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True,
                          process_group=runtime.grad_group, bucket_cap_mb=profile.ddp_bucket_mb)
-        params = [p for p in model.parameters() if p.requires_grad]
+        shards = {id(p) for p in experts.params} if experts is not None else set()
+        params = [p for p in model.parameters() if p.requires_grad and id(p) not in shards]
         owner = assign_owners(params, runtime.grad_size) if mode == "zero1" else {}
         return Parallel(mode, wrapped, model, runtime, owner,
-                        settings={"bucket_cap_mb": float(profile.ddp_bucket_mb), "source": source})
+                        settings={"bucket_cap_mb": float(profile.ddp_bucket_mb), "source": source}, experts=experts)
     from torch.distributed.fsdp import fully_shard
 
     policy = mixed_precision(dtype)

@@ -321,10 +321,13 @@ class Experts(nn.Module):
 
     def run_grouped(self, xs: torch.Tensor, counts: torch.Tensor, host_counts: list[int]) -> torch.Tensor:
         """The experts this module holds over rows ``xs`` [M, D] already grouped by expert (``counts`` [E_held] on
-        the device, ``host_counts`` the same on the host, summing to M > 0), in the experts' compute dtype; [M, D].
-        The expert-parallel dispatcher's compute step (every row is routed: no skipped tail)."""
+        the device, ``host_counts`` the same on the host), in the experts' compute dtype; [M, D]. The
+        expert-parallel dispatcher's compute step (every row is routed: no skipped tail). With M = 0 the empty result
+        still depends on ``xs``, so that a backward passes through whatever produced it."""
         dtype = self._gemm_dtype(xs)
         xs = xs.to(dtype)
+        if not sum(host_counts):
+            return xs * 0
         if self._use_grouped_mm(xs, dtype):
             offsets, empty = counts.cumsum(0).to(torch.int32), counts == 0
             h = _GroupedLinear.apply(xs, self.gate_up_proj.to(dtype), offsets, empty, None)

@@ -8,7 +8,7 @@ scales and temperatures. The router's bias-balancing state is not a parameter: i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,9 @@ class ParamSplit:
     muon: list[tuple[str, nn.Parameter]]
     adamw_decay: list[tuple[str, nn.Parameter]]
     adamw_no_decay: list[tuple[str, nn.Parameter]]
+    muon_shards: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    """Expert shards under expert parallelism (different on every rank of an ep group): a Muon of their own, whose
+    work splits over the ranks that hold the same shards (``shard_group``), never over the others."""
 
 
 def is_muon_matrix(name: str, param: torch.Tensor, embedding_ids: set[int]) -> bool:
@@ -53,24 +56,28 @@ def split_parameters(model: nn.Module, use_muon: bool = True) -> ParamSplit:
     return split
 
 
-def build_optimizers(params: ParamSplit, cfg: OptimConfig,
-                     replica_group: Any = None) -> list[torch.optim.Optimizer]:
-    """[Muon, AdamW] (either omitted when it has nothing to do); each group's ``lr`` is its peak.
+def build_optimizers(params: ParamSplit, cfg: OptimConfig, replica_group: Any = None,
+                     shard_group: Any = None) -> list[torch.optim.Optimizer]:
+    """[Muon, Muon of the expert shards, AdamW] (each omitted when it has nothing to do); each group's ``lr`` is
+    its peak.
 
     ``replica_group``: the process group over which every rank holds these same parameters (DDP's data-parallel
     group), or None (one process, ZeRO-1's per-rank subsets, FSDP). With ``optim.muon_distributed = "auto"``
     Muon splits its Newton-Schulz work over that group and shares the results; FSDP's DTensor parameters it
-    splits over their mesh by itself. Nothing here is collective.
+    splits over their mesh by itself. ``shard_group``: the replica group of the expert shards (``muon_shards``), or
+    None where no other rank holds the same shards. Nothing here is collective.
     """
     from zaya.optim.muon import Muon
 
     optimizers: list[torch.optim.Optimizer] = []
-    if params.muon:
-        muon = Muon([p for _, p in params.muon], lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay,
-                    momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
-                    adjust_lr_fn=cfg.muon_adjust_lr, ns_dtype=to_dtype(compute_dtype(cfg.muon_ns_dtype, params.muon[0][1].device)),
-                    ns_method=cfg.muon_ns_method, distributed=cfg.muon_distributed, replica_group=replica_group)
-        optimizers.append(muon)
+    for muon_params, group in ((params.muon, replica_group), (params.muon_shards, shard_group)):
+        if muon_params:
+            optimizers.append(Muon(
+                [p for _, p in muon_params], lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay,
+                momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+                adjust_lr_fn=cfg.muon_adjust_lr,
+                ns_dtype=to_dtype(compute_dtype(cfg.muon_ns_dtype, muon_params[0][1].device)),
+                ns_method=cfg.muon_ns_method, distributed=cfg.muon_distributed, replica_group=group))
     groups = []
     if params.adamw_decay:
         groups.append({"params": [p for _, p in params.adamw_decay], "weight_decay": cfg.weight_decay})

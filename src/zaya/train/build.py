@@ -86,16 +86,23 @@ def build_model(config: Config, rt: Runtime, weights_later: bool = False) -> Par
     random.seed(tc.seed)
     np.random.seed(tc.seed)
     dtype = compute_dtype(tc.dtype, rt.device)
+    experts = None
+    if tc.expert_parallel > 1:
+        from zaya.distributed.expert_parallel import ExpertParallel
+
+        experts = ExpertParallel(rt, tc.expert_parallel)
     with torch.device("meta" if weights_later else rt.device):
         model = ZayaForCausalLM(config.model)
+    if experts is not None:  # every rank initialised every expert alike; each keeps its own
+        experts.shard(model)
     model.activation_checkpointing = tc.activation_checkpointing
     if not weights_later:
-        return wrap(model, tc.parallel, rt, dtype)
+        return wrap(model, tc.parallel, rt, dtype, experts)
     sharded = tc.parallel == "fsdp" and rt.distributed
     parallel = wrap(model, tc.parallel, rt, dtype) if sharded else None
     model.to_empty(device=rt.device)
     model.rope.reset_parameters()  # derived from the config, never stored
-    return parallel if parallel is not None else wrap(model, tc.parallel, rt, dtype)
+    return parallel if parallel is not None else wrap(model, tc.parallel, rt, dtype, experts)
 
 
 def install_sequence_seam(model, config: Config, rt: Runtime) -> None:
@@ -116,4 +123,10 @@ def build_optimizers_for(config: Config, parallel: Parallel) -> list[torch.optim
     split = split_parameters(parallel.model, config.optim.muon)
     owned = ParamSplit(parallel.owned(split.muon), parallel.owned(split.adamw_decay),
                        parallel.owned(split.adamw_no_decay))
-    return build_optimizers(owned, config.optim, replica_group=parallel.replica_group)
+    ep = parallel.experts
+    if ep is not None:  # the expert shards' Muon splits its work over their replicas only
+        shards = {id(p) for p in ep.params}
+        owned.muon_shards = [(n, p) for n, p in owned.muon if id(p) in shards]
+        owned.muon = [(n, p) for n, p in owned.muon if id(p) not in shards]
+    return build_optimizers(owned, config.optim, replica_group=parallel.replica_group,
+                            shard_group=None if ep is None else ep.replica_group)

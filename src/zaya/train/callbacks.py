@@ -133,8 +133,8 @@ class Plots(Callback):
 
 
 class Sample(Callback):
-    """A generated sample from the final model, shown and put in the summary (rank 0; not under FSDP, where the
-    parameters are sharded over the ranks: use ``zaya generate``)."""
+    """A generated sample from the final model, shown and put in the summary (rank 0; not under FSDP or expert
+    parallelism, where the parameters are sharded over the ranks: use ``zaya generate``)."""
 
     def __init__(self, prompt: str, tokens: int, seed: int):
         self.prompt, self.tokens, self.seed = prompt, tokens, seed
@@ -142,8 +142,9 @@ class Sample(Callback):
     def on_stop(self, trainer: Run, summary: dict[str, Any]) -> None:
         if not (summary["finished"] and trainer.runtime.is_main and self.prompt and self.tokens > 0):
             return
-        if trainer.parallel.sharded:
-            trainer.log("sample: skipped under FSDP (run `zaya generate --checkpoint RUN_DIR`)")
+        if trainer.parallel.sharded or trainer.parallel.experts is not None:
+            trainer.log("sample: skipped under FSDP or expert parallelism, where no rank holds the whole model (run "
+                        "`zaya generate --checkpoint RUN_DIR`)")
             return
         import torch
 

@@ -105,7 +105,9 @@ class TrainStep:
         # The flags are read before the clip: a signal arriving during the collectives waits for the next step.
         totals.stop_requested.fill_(float(self.stop_request.requested))
         totals.checkpoint_failed.fill_(float(self.store.poll_failed()))
-        grad_norm = clip_gradients(self.parallel.wrapped.parameters(), self.config.optim.grad_clip)
+        self.parallel.finish_gradients()
+        grad_norm = clip_gradients(self.parallel.wrapped.parameters(), self.config.optim.grad_clip,
+                                   self.parallel.experts)
         values = totals.reduce_and_read(rt, grad_norm)
         if values.finite:
             for opt in self.optimizers:
@@ -153,9 +155,11 @@ def local_tokens(batch, rt) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | 
     return (rt.to_device(inputs), rt.to_device(labels), None if positions is None else rt.to_device(positions))
 
 
-def clip_gradients(params, max_norm: float) -> torch.Tensor:
-    """Clip the global gradient norm (over all ranks' shards under FSDP); the norm before clipping, on the device,
-    the same on every rank."""
+def clip_gradients(params, max_norm: float, experts=None) -> torch.Tensor:
+    """Clip the global gradient norm (over all ranks' shards under FSDP, and over the ep group's expert shards
+    under expert parallelism: ``experts``); the norm before clipping, on the device, the same on every rank."""
+    if experts is not None:
+        return experts.clip_gradients(params, max_norm)
     grads = [p for p in params if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm > 0 else float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -116,9 +116,11 @@ class Trainer:
         """The named stateful parts a checkpoint holds (a new kind of state registers itself here)."""
         from zaya.checkpoint.parts import ModelState, OptimizerState
 
-        return {"model": ModelState(self.parallel.wrapped), "optim": OptimizerState(self.parallel.wrapped,
-                                                                                    self.optimizers),
-                "loader": self.loader, "progress": self.progress, "rng": RNGState()}
+        model, optim = ModelState(self.parallel.wrapped), OptimizerState(self.parallel.wrapped, self.optimizers)
+        ep = self.parallel.experts
+        if ep is not None:  # the expert shards saved whole: loadable at any expert-parallel degree
+            model, optim = ep.consolidated(model, self.parallel.model), ep.consolidated(optim, self.parallel.model)
+        return {"model": model, "optim": optim, "loader": self.loader, "progress": self.progress, "rng": RNGState()}
 
     @classmethod
     def build(cls, config: Config, runtime: Runtime, resume: str = "auto",

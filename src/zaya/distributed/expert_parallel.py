@@ -1,0 +1,202 @@
+"""Expert parallelism: each rank holds num_experts / ep of every MoE layer's experts; tokens travel to them.
+
+**Groups.** ``train.expert_parallel = ep`` folds an expert-parallel dimension into data parallelism, as torchtitan
+and Megatron do: the world's ranks form a mesh ``("ep_replica", "ep")``, ep fastest, so each *ep group* is ep
+consecutive ranks (inside a node where ep divides the ranks per node) and holds all the experts between them, rank
+``i`` of the group experts ``[i * E / ep, (i + 1) * E / ep)``; the ranks with the same index in every group (its
+*replica group*) hold the same experts. Every rank still trains on tokens of its own, as in plain data parallelism.
+
+**Dispatch** (``Dispatch``, installed on every ``Experts`` module as its ``dispatcher``). Per MoE layer: the
+(token, slot) assignments are sorted by class as on one rank (the skip class last: never sent, its output zero),
+the per-expert counts are exchanged with one small all-to-all on the device, and both count vectors come to the
+host together: ``all_to_all_single`` with variable splits takes Python lists, so this is the layer's one host read
+(every step's forward, and again in a recomputed forward under activation checkpointing; the backward reuses the
+forward's splits). The rows then go to their experts' ranks with one ``all_to_all_single``, are regrouped by local
+expert (a stable sort: source rank order within an expert), run through ``Experts.run_grouped`` and come back with
+a second ``all_to_all_single``; the autograd versions of both (``torch.distributed.nn.functional``) send the
+gradients the opposite way. Dropless: every routed assignment is computed. A rank that sends or receives nothing
+still joins every collective, forward and backward (its outputs depend on the exchanged tensors).
+
+**Gradients.** The expert weights are left out of DDP's all-reduce (``ignored_parameters``); after the last
+micro-batch ``reduce_gradients`` sums each rank's expert gradients over its replica group only and divides by the
+world size (the same mean as DDP's over every rank: a rank's expert gradient already sums its ep group's tokens).
+``clip_gradients`` takes the global norm with the expert part summed over the ep group. Non-expert parameters
+are reduced as before (DDP or ZeRO-1); the routers' balancing counts are the step's global counts as always.
+
+**Checkpoints** hold the experts whole (``Consolidated``): saved at one degree, they load at any other, or at none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zaya.core.errors import ConfigError
+from zaya.distributed.runtime import Runtime
+
+
+class ExpertParallel:
+    """This rank's place in the expert-parallel layout and the operations on its expert shards."""
+
+    def __init__(self, runtime: Runtime, size: int) -> None:
+        """Collective (every rank builds it, in the same order); ``size`` = ``train.expert_parallel`` > 1."""
+        world = runtime.world_size
+        if world % size:
+            fits = [n for n in range(1, world + 1) if world % n == 0]
+            raise ConfigError(f"train.expert_parallel = {size} does not divide the world size {world}: launch a "
+                              f"multiple of {size} processes, or pass --set train.expert_parallel=N with N one of "
+                              f"{fits}")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(runtime.device.type, (world // size, size), mesh_dim_names=("ep_replica", "ep"))
+        self.size, self.index = size, mesh["ep"].get_local_rank()
+        self.group = mesh["ep"].get_group()
+        self.replica_group = mesh["ep_replica"].get_group() if world > size else None
+        self.world_size = world
+        self.params: list[nn.Parameter] = []
+
+    def describe(self) -> str:
+        return f"expert parallel {self.size} (this rank holds experts slice {self.index} of {self.size})"
+
+    def shard(self, model: nn.Module) -> None:
+        """Keep only this rank's experts of every MoE layer (slices of the full, identically initialised stacks; on
+        the meta device nothing is allocated) and install the dispatcher."""
+        from zaya.model.moe import Experts
+
+        for module in model.modules():
+            if not isinstance(module, Experts):
+                continue
+            held = module.num_experts // self.size
+            lo = self.index * held
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(module, name)
+                part = nn.Parameter(full.detach()[lo:lo + held].clone(), requires_grad=full.requires_grad)
+                setattr(module, name, part)
+                self.params.append(part)
+            module.dispatcher = Dispatch(self.group, self.size, held)
+
+    def consolidated(self, part: Any, model: nn.Module) -> Consolidated:
+        """``part`` (a checkpoint part over ``model``) saving and loading the expert shards whole."""
+        return Consolidated(part, self, self.names(model))
+
+    def names(self, model: nn.Module) -> list[str]:
+        """The qualified names of the expert shards in ``model`` (DDP's ignored parameters, the checkpoint keys)."""
+        ids = {id(p) for p in self.params}
+        return [n for n, p in model.named_parameters() if id(p) in ids]
+
+    def reduce_gradients(self) -> None:
+        """Sum the expert shards' gradients over the replica group and divide by the world size: the mean over
+        every rank that DDP takes of the other gradients (collective; a shard without a gradient counts zero)."""
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        if not grads:
+            return
+        if self.replica_group is not None:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.replica_group)
+            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+        torch._foreach_div_(grads, float(self.world_size))
+
+    def clip_gradients(self, params, max_norm: float) -> torch.Tensor:
+        """The global gradient norm before clipping (the same on every rank; expert shards' squares summed over the
+        ep group) and the gradients scaled by ``max_norm / norm`` where it is smaller than one."""
+        mine = {id(p) for p in self.params}
+        params = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in params]
+        expert = [p.grad for p in params if id(p) in mine]
+        dense = [p.grad for p in params if id(p) not in mine]
+        device = grads[0].device
+        total = torch.zeros(2, dtype=torch.float32, device=device)
+        if dense:
+            total[0] = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(dense)))
+        if expert:
+            total[1] = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(expert)))
+        total.square_()
+        expert_sq = total[1:].clone()
+        dist.all_reduce(expert_sq, group=self.group)
+        norm = (total[0] + expert_sq[0]).sqrt()
+        if max_norm > 0:
+            scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, scale)
+        return norm
+
+
+class Consolidated:
+    """A checkpoint part (``state_dict()`` / ``load_state_dict()``: the model's or the optimizers') whose expert
+    shards are saved whole: every expert-shard tensor of its state (the weights, Muon's momentum, AdamW's moments;
+    keyed by the shards' names) is all-gathered over the ep group into the full [E, ...] stack, the same on every
+    rank, so the checkpoint holds the model as one process would and loads at any expert-parallel degree (each
+    rank keeps its slice on load). Costs a full copy of the experts' tensors on every rank while a save runs."""
+
+    def __init__(self, part: Any, ep: ExpertParallel, names: list[str]) -> None:
+        self.part, self.ep, self.names = part, ep, set(names)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._map(self.part.state_dict(), self._gather)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.part.load_state_dict(self._map(state, self._slice))
+
+    def _map(self, tree: Any, fn, under: bool = False) -> Any:
+        """``tree`` with ``fn`` applied to every tensor (of at least one dimension) below a shard's name."""
+        if isinstance(tree, dict):
+            return {k: self._map(v, fn, under or k in self.names) for k, v in tree.items()}
+        if under and isinstance(tree, torch.Tensor) and tree.dim() > 0:
+            return fn(tree)
+        return tree
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(shard) for _ in range(self.ep.size)]
+        dist.all_gather(parts, shard.contiguous(), group=self.ep.group)
+        return torch.cat(parts)
+
+    def _slice(self, full: torch.Tensor) -> torch.Tensor:
+        held = full.shape[0] // self.ep.size
+        return full[self.ep.index * held:(self.ep.index + 1) * held]
+
+
+class Dispatch:
+    """An ``Experts`` module's forward over an ep group: send each routed assignment to the rank that holds its
+    expert, compute there, send the result back and mix it (see the module docstring)."""
+
+    def __init__(self, group: Any, size: int, held: int) -> None:
+        self.group, self.size, self.held = group, size, held
+
+    def __call__(self, experts: nn.Module, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+                 ) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_to_all_single
+
+        n, k = chosen.shape
+        e, size, held = experts.num_experts, self.size, self.held
+        flat = chosen.reshape(-1)
+        counts = torch.zeros(e + 1, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        counts = counts[:e].contiguous()
+        order = torch.argsort(flat, stable=True)
+        incoming = torch.empty_like(counts)  # [source rank, held expert]: what each rank sends to this one
+        dist.all_to_all_single(incoming, counts, group=self.group)
+        host = torch.cat((counts, incoming)).tolist()  # the layer's one host read: the splits
+        send = [sum(host[r * held:(r + 1) * held]) for r in range(size)]
+        recv = [sum(host[e + s * held:e + (s + 1) * held]) for s in range(size)]
+        per_expert = [sum(host[e + s * held + j] for s in range(size)) for j in range(held)]
+        routed, received = sum(send), sum(recv)
+        dest = order[:routed]  # the skip class sorts last and is cut: handled here, never sent
+        rows = all_to_all_single(x.new_empty(received, x.shape[1]), x.index_select(0, dest // k), recv, send,
+                                 group=self.group)
+        # Regroup by held expert (the rows come grouped by source rank, then expert), compute, and undo it.
+        key = torch.arange(held, device=flat.device).repeat(size)
+        perm = torch.argsort(key.repeat_interleave(incoming, output_size=received), stable=True)
+        y_sorted = experts.run_grouped(rows.index_select(0, perm), incoming.view(size, held).sum(0), per_expert)
+        y = torch.zeros_like(y_sorted).index_copy(0, perm, y_sorted)
+        back = all_to_all_single(y.new_empty(routed, y.shape[1]), y, send, recv, group=self.group)
+        mixed = back * weights.reshape(-1).index_select(0, dest).to(y.dtype)[:, None]
+        out = y.new_zeros(n * k, y.shape[1]).index_copy(0, dest, mixed)
+        if not routed:  # keep the exchanges' backward and the mixing weights in the graph on this rank too
+            out = out + (back.sum() + weights.sum().to(y.dtype)) * 0
+        return out.view(n, k, -1).sum(1) if k > 1 else out

@@ -1,0 +1,143 @@
+"""Expert parallelism through the trainer on gloo ranks: per-step losses with train.expert_parallel = N equal those
+of the same ranks without it (the ZAYA1 router with and without the skip class, the linear router; DDP and ZeRO-1;
+2 and 4 ranks), each rank holds 1/N of the experts and of their optimizer state, a checkpoint saved at one degree
+resumes at another and at none with the same next losses, the CLI runs it, and the config refuses what cannot work.
+
+fp32 throughout; losses are compared to 1e-5 relative (the targets' tolerance): the expert-parallel run computes the
+same products, but sums each expert's weight gradient over rows from several ranks in another order, and the gradient
+norm in two parts (seen: a few 1e-7 after 20 steps).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import MICRO_CONFIG
+from dist_helpers import free_port, run_ok
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+ROUTERS = {
+    "zaya+skip": {"router": "zaya", "router_skip_expert": True},
+    "zaya": {"router": "zaya", "router_skip_expert": False},
+    "linear": {"router": "linear"},
+}
+
+
+def micro(dataset, run_dir, steps: int, **tables):
+    from zaya.config import config_from_dict
+
+    data = tomllib.loads(MICRO_CONFIG.format(dataset=dataset, run_dir=run_dir))
+    data["train"].update({"dtype": "float32", "eval_every": 0, "sample_tokens": 0, "max_steps": steps,
+                          "router_probe": False})
+    data["optim"]["muon_ns_dtype"] = "float32"
+    data["checkpoint"].update({"every": 0, "ram_tier": False})
+    for table, values in tables.items():
+        data.setdefault(table, {}).update(values)
+    return config_from_dict(data, "micro")
+
+
+def losses(run_dir) -> list[float]:
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if r.get("kind") == "train"]
+
+
+def _expert_bytes(trainer) -> dict:
+    """This rank's bytes of expert weights and of their optimizer state (the tensors' own bytes)."""
+    experts = [p for n, p in trainer.parallel.model.named_parameters() if ".experts." in n]
+    ids = {id(p) for p in experts}
+    state = [t for opt in trainer.optimizers for p, s in opt.state.items() if id(p) in ids
+             for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return {"weights": sum(p.numel() * p.element_size() for p in experts),
+            "state": sum(t.numel() * t.element_size() for t in state)}
+
+
+def _train(rank: int, world: int, dataset: str, run_dir: str, steps: int, tables: dict) -> dict:
+    from zaya.train.callbacks import Callback
+    from zaya.train.trainer import train
+
+    class Measure(Callback):
+        def on_stop(self, trainer, summary) -> None:
+            summary["expert_bytes"] = _expert_bytes(trainer)
+
+    return train(micro(dataset, run_dir, steps, **tables), callbacks=[Measure()]).get("expert_bytes")
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b))
+
+
+def _run(dataset, run_dir, world: int, steps: int, ep: int, parallel: str, router: str, **extra) -> list[dict]:
+    tables = {"train": {"expert_parallel": ep, "parallel": parallel, **extra.pop("train", {})},
+              "model": ROUTERS[router], **extra}
+    return run_ok(_train, world, str(dataset), str(run_dir), steps, tables)
+
+
+@pytest.mark.parametrize("world,ep,parallel,router,steps", [
+    (2, 2, "zero1", "zaya+skip", 4),
+    (2, 2, "ddp", "linear", 4),
+    pytest.param(2, 2, "ddp", "zaya", 20, marks=pytest.mark.slow),
+    pytest.param(2, 2, "zero1", "zaya+skip", 20, marks=pytest.mark.slow),
+    pytest.param(2, 2, "ddp", "linear", 20, marks=pytest.mark.slow),
+    pytest.param(4, 2, "zero1", "zaya+skip", 20, marks=pytest.mark.slow),
+    pytest.param(4, 4, "ddp", "zaya", 20, marks=pytest.mark.slow),
+    pytest.param(4, 4, "zero1", "linear", 20, marks=pytest.mark.slow),
+])
+def test_losses_and_memory_with_expert_parallelism_equal_those_without(tmp_path, shakespeare_dataset, world, ep,
+                                                                       parallel, router, steps):
+    base = _run(shakespeare_dataset, tmp_path / "base", world, steps, 1, parallel, router)
+    sharded = _run(shakespeare_dataset, tmp_path / "ep", world, steps, ep, parallel, router)
+    want, got = losses(tmp_path / "base"), losses(tmp_path / "ep")
+    assert len(got) == steps and _close(got, want), (got, want)
+    whole = base[0]["weights"]
+    for part in sharded:
+        # 1/ep of the expert weights, and Muon's state of exactly those (one momentum buffer per shard).
+        assert part["weights"] * ep == whole > 0
+        assert part["state"] == part["weights"]
+
+
+def test_a_checkpoint_saved_at_degree_2_resumes_without_expert_parallelism(tmp_path, shakespeare_dataset):
+    """Steps 1-2 at ep = 2, then step 3 at ep = 1 (resumed), on 2 ranks: the same losses as 3 steps at ep = 1."""
+    _run(shakespeare_dataset, tmp_path / "base", 2, 3, 1, "zero1", "zaya+skip")
+    run = tmp_path / "run"
+    _run(shakespeare_dataset, run, 2, 2, 2, "zero1", "zaya+skip")
+    _run(shakespeare_dataset, run, 2, 3, 1, "zero1", "zaya+skip")
+    assert _close(losses(run), losses(tmp_path / "base")), (losses(run), losses(tmp_path / "base"))
+
+
+def test_zaya_train_with_expert_parallel_2_on_two_gloo_ranks(tmp_path, micro_config):
+    """``zaya train`` under torchrun's environment (two processes by hand: RANK, WORLD_SIZE, MASTER_*)."""
+    config = micro_config(extra="")
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+               "PATH": "/usr/bin:/bin"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "zaya.cli", "train", "--config", str(config), "--set", "train.expert_parallel=2",
+             "--set", "train.max_steps=2", "--set", "train.device=cpu", "--set", "train.dtype=float32",
+             "--set", "checkpoint.ram_tier=false"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert "expert parallel 2" in outs[0], outs[0]
+    assert len(losses(tmp_path / "run")) == 2
+
+
+def test_a_degree_that_does_not_divide_the_experts_or_works_with_fsdp_is_a_config_error(tmp_path,
+                                                                                         shakespeare_dataset):
+    from zaya.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.expert_parallel = 3 does not divide model.num_experts = 4.*"
+                                          r"one of \[1, 2, 4\]"):
+        micro(shakespeare_dataset, tmp_path, 1, train={"expert_parallel": 3})
+    with pytest.raises(ConfigError, match="train.parallel=zero1"):
+        micro(shakespeare_dataset, tmp_path, 1, train={"expert_parallel": 2, "parallel": "fsdp"})
