@@ -61,7 +61,6 @@ def json_schema_grammar(schema: dict) -> str:
         raise GrammarError(str(exc)) from None
 
 
-
 class GrammarConstraint:
     """One request's ``TokenConstraint`` (``zaya.serve.request``) over an llguidance matcher of its own."""
 

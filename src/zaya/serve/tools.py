@@ -3,9 +3,10 @@ that may hold them.
 
 The convention (zaya's default chat template shows it to the model, and it is Hermes' and Qwen's): a call is
 ``<tool_call>{"name": NAME, "arguments": {...}}</tool_call>``, a newline allowed after the opening tag and before
-the closing one (and a space before it: the template writes ``Assistant: `` first); several calls follow one another, separated by whitespace. A reply is a tool-call reply when the
-text from its first ``<tool_call>`` on is nothing but complete calls whose JSON names a known function and gives an
-object of arguments; the text before it is the reply's content. Anything else is content, never an error.
+the closing one (and a space before it: the template writes ``Assistant: `` first); several calls follow one
+another, separated by whitespace. A reply is a tool-call reply when the text from its first ``<tool_call>`` on is
+nothing but complete calls whose JSON names a known function and gives an object of arguments; the text before it
+is the reply's content. Anything else is content, never an error.
 """
 
 from __future__ import annotations
