@@ -11,7 +11,9 @@ Timing: the compiled copy's first step (it compiles the training graphs: dynamo,
 generation and C++ compile) is timed on its own as ``compile_s``, with the inductor cache in a fresh temporary
 directory unless ``--cache-dir`` names one (then a rerun reports the cached compile). Then ``--warmup`` steps of
 each, then ``--steps`` rounds, each one eager step and one compiled step back to back (the order alternating
-between rounds), so machine noise hits both alike; figures are medians over the rounds. Each round waits first for
+between rounds), so machine noise hits both alike; figures are medians over the rounds, of wall time and of this
+process's CPU time (``*_cpu_s``: with ``--threads 1`` the step's compute, which other processes sharing the cores
+do not inflate the way they inflate wall time; inductor's compile workers are other processes). Each round waits first for
 a quiet machine (``--quiet-below``, benchmarks/quiet.py). Both copies see the same batches; ``max_loss_rel_diff``
 is the largest relative difference of their losses over every step (fp32: rounding of fused reductions).
 
@@ -77,10 +79,11 @@ class Copy:
         return loss.item()
 
 
-def timed(copy_: Copy, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-    start = time.perf_counter()
+def timed(copy_: Copy, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, float]:
+    """(wall seconds, this process's CPU seconds, loss) of one step."""
+    start, cpu = time.perf_counter(), time.process_time()
     loss = copy_.step(ids, labels)
-    return time.perf_counter() - start, loss
+    return time.perf_counter() - start, time.process_time() - cpu, loss
 
 
 def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
@@ -99,28 +102,33 @@ def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
         return ids[:, :-1], ids[:, 1:]
 
     ids, labels = batch_of_tokens()
-    compile_s, compiled_loss = timed(compiled, ids, labels)
-    _, eager_loss = timed(eager, ids, labels)
+    compile_s, _, compiled_loss = timed(compiled, ids, labels)
+    _, _, eager_loss = timed(eager, ids, labels)
     diffs = [abs(compiled_loss - eager_loss) / abs(eager_loss)]
     for _ in range(args.warmup):
         ids, labels = batch_of_tokens()
-        (_, a), (_, b) = timed(eager, ids, labels), timed(compiled, ids, labels)
+        (*_, a), (*_, b) = timed(eager, ids, labels), timed(compiled, ids, labels)
         diffs.append(abs(b - a) / abs(a))
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    cpu: dict[str, list[float]] = {"eager": [], "compiled": []}
     for i in range(args.steps):
         ids, labels = batch_of_tokens()
         wait_quiet(args.quiet_below, timeout=30.0)
         order = [("eager", eager), ("compiled", compiled)]
         losses = {}
         for name, c in order if i % 2 == 0 else order[::-1]:
-            seconds, losses[name] = timed(c, ids, labels)
+            seconds, cpu_seconds, losses[name] = timed(c, ids, labels)
             times[name].append(seconds)
+            cpu[name].append(cpu_seconds)
         diffs.append(abs(losses["compiled"] - losses["eager"]) / abs(losses["eager"]))
     eager_s, compiled_s = statistics.median(times["eager"]), statistics.median(times["compiled"])
+    eager_cpu, compiled_cpu = statistics.median(cpu["eager"]), statistics.median(cpu["compiled"])
     return {"shape": shape, "dtype": dtype, "backend": args.backend, "tokens": batch * seq,
             "compile_s": round(compile_s - eager_s, 2),
             "eager_step_s": round(eager_s, 4), "compiled_step_s": round(compiled_s, 4),
-            "speedup": round(eager_s / compiled_s, 3), "eager_times_s": [round(t, 4) for t in times["eager"]],
+            "speedup": round(eager_s / compiled_s, 3), "eager_cpu_s": round(eager_cpu, 4),
+            "compiled_cpu_s": round(compiled_cpu, 4), "cpu_speedup": round(eager_cpu / compiled_cpu, 3),
+            "eager_times_s": [round(t, 4) for t in times["eager"]],
             "compiled_times_s": [round(t, 4) for t in times["compiled"]],
             "max_loss_rel_diff": float(f"{max(diffs):.2e}"), "steps": args.steps}
 

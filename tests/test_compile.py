@@ -142,6 +142,7 @@ def test_the_compile_benchmark_reports_both_steps(monkeypatch, capsys):
     assert machine["machine"] and machine["threads"] == 1
     assert row["shape"] == "micro" and row["dtype"] == "fp32" and row["backend"] == "aot_eager", row
     assert len(row["eager_times_s"]) == len(row["compiled_times_s"]) == 2 and row["speedup"] > 0, row
+    assert row["eager_cpu_s"] > 0 and row["compiled_cpu_s"] > 0 and row["cpu_speedup"] > 0, row
     # The ratio of the unrounded medians; the printed ones are rounded to 1e-4 s (steps of tens of ms here).
     assert abs(row["speedup"] - row["eager_step_s"] / row["compiled_step_s"]) <= 0.01 * row["speedup"], row
     assert row["max_loss_rel_diff"] < 1e-5, row  # the same steps (aot_eager: aten's decompositions' rounding)
