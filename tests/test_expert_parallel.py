@@ -80,20 +80,38 @@ def _run(dataset, run_dir, world: int, steps: int, ep: int, parallel: str, route
     return run_ok(_train, world, str(dataset), str(run_dir), steps, tables)
 
 
-@pytest.mark.parametrize("world,ep,parallel,router,steps", [
-    (2, 2, "zero1", "zaya+skip", 4),
-    (2, 2, "ddp", "linear", 4),
-    pytest.param(2, 2, "ddp", "zaya", 20, marks=pytest.mark.slow),
-    pytest.param(2, 2, "zero1", "zaya+skip", 20, marks=pytest.mark.slow),
-    pytest.param(2, 2, "ddp", "linear", 20, marks=pytest.mark.slow),
-    pytest.param(4, 2, "zero1", "zaya+skip", 20, marks=pytest.mark.slow),
-    pytest.param(4, 4, "ddp", "zaya", 20, marks=pytest.mark.slow),
-    pytest.param(4, 4, "zero1", "linear", 20, marks=pytest.mark.slow),
+@pytest.fixture(scope="module")
+def zero1_skip_base(shakespeare_dataset, tmp_path_factory):
+    """Three steps on 2 ranks without expert parallelism (ZeRO-1, ZAYA1 router with the skip class): losses."""
+    run = tmp_path_factory.mktemp("base")
+    _run(shakespeare_dataset, run, 2, 3, 1, "zero1", "zaya+skip")
+    return losses(run)
+
+
+def test_zero1_losses_and_memory_with_expert_parallelism_equal_those_without(tmp_path, shakespeare_dataset,
+                                                                             zero1_skip_base):
+    sharded = _run(shakespeare_dataset, tmp_path, 2, 3, 2, "zero1", "zaya+skip")
+    assert _close(losses(tmp_path), zero1_skip_base), (losses(tmp_path), zero1_skip_base)
+    for part in sharded:
+        assert part["state"] == part["weights"] > 0
+    assert sharded[0]["weights"] == sharded[1]["weights"]
+
+
+@pytest.mark.parametrize("world,ep,parallel,router,steps,recompute", [
+    (2, 2, "ddp", "linear", 3, True),
+    pytest.param(2, 2, "ddp", "zaya", 20, False, marks=pytest.mark.slow),
+    pytest.param(2, 2, "zero1", "zaya+skip", 20, False, marks=pytest.mark.slow),
+    pytest.param(2, 2, "ddp", "linear", 20, False, marks=pytest.mark.slow),
+    pytest.param(4, 2, "zero1", "zaya+skip", 20, False, marks=pytest.mark.slow),
+    pytest.param(4, 4, "ddp", "zaya", 20, False, marks=pytest.mark.slow),
+    pytest.param(4, 4, "zero1", "linear", 20, False, marks=pytest.mark.slow),
 ])
 def test_losses_and_memory_with_expert_parallelism_equal_those_without(tmp_path, shakespeare_dataset, world, ep,
-                                                                       parallel, router, steps):
+                                                                       parallel, router, steps, recompute):
+    """``recompute``: with activation checkpointing in the ep run (the recomputed forward exchanges again)."""
     base = _run(shakespeare_dataset, tmp_path / "base", world, steps, 1, parallel, router)
-    sharded = _run(shakespeare_dataset, tmp_path / "ep", world, steps, ep, parallel, router)
+    sharded = _run(shakespeare_dataset, tmp_path / "ep", world, steps, ep, parallel, router,
+                   train={"activation_checkpointing": recompute})
     want, got = losses(tmp_path / "base"), losses(tmp_path / "ep")
     assert len(got) == steps and _close(got, want), (got, want)
     whole = base[0]["weights"]
@@ -103,13 +121,12 @@ def test_losses_and_memory_with_expert_parallelism_equal_those_without(tmp_path,
         assert part["state"] == part["weights"]
 
 
-def test_a_checkpoint_saved_at_degree_2_resumes_without_expert_parallelism(tmp_path, shakespeare_dataset):
+def test_a_checkpoint_saved_at_degree_2_resumes_without_expert_parallelism(tmp_path, shakespeare_dataset,
+                                                                            zero1_skip_base):
     """Steps 1-2 at ep = 2, then step 3 at ep = 1 (resumed), on 2 ranks: the same losses as 3 steps at ep = 1."""
-    _run(shakespeare_dataset, tmp_path / "base", 2, 3, 1, "zero1", "zaya+skip")
-    run = tmp_path / "run"
-    _run(shakespeare_dataset, run, 2, 2, 2, "zero1", "zaya+skip")
-    _run(shakespeare_dataset, run, 2, 3, 1, "zero1", "zaya+skip")
-    assert _close(losses(run), losses(tmp_path / "base")), (losses(run), losses(tmp_path / "base"))
+    _run(shakespeare_dataset, tmp_path, 2, 2, 2, "zero1", "zaya+skip")
+    _run(shakespeare_dataset, tmp_path, 2, 3, 1, "zero1", "zaya+skip")
+    assert _close(losses(tmp_path), zero1_skip_base), (losses(tmp_path), zero1_skip_base)
 
 
 def test_zaya_train_with_expert_parallel_2_on_two_gloo_ranks(tmp_path, micro_config):
@@ -141,3 +158,51 @@ def test_a_degree_that_does_not_divide_the_experts_or_works_with_fsdp_is_a_confi
         micro(shakespeare_dataset, tmp_path, 1, train={"expert_parallel": 3})
     with pytest.raises(ConfigError, match="train.parallel=zero1"):
         micro(shakespeare_dataset, tmp_path, 1, train={"expert_parallel": 2, "parallel": "fsdp"})
+
+
+def _dispatch(rank: int, world: int, routes: list) -> dict:
+    """One MoE experts call through the ep dispatcher and through the whole experts, on the same tokens."""
+    from zaya.config import ModelConfig
+    from zaya.distributed.expert_parallel import ExpertParallel
+    from zaya.distributed.runtime import start
+    from zaya.model.moe import Experts
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, num_layers=1, num_query_heads=2, num_kv_heads=2, head_dim=8,
+                      num_experts=4, expert_hidden_size=16, router_hidden_size=8, max_seq_len=16)
+    torch.manual_seed(0)
+    whole = Experts(cfg)
+    whole.reset_parameters(0.1, 0.1)
+    sharded = Experts(cfg)
+    sharded.load_state_dict(whole.state_dict())
+    ep = ExpertParallel(start(device="cpu"), world)
+    ep.shard(sharded)
+    torch.manual_seed(1 + rank)
+    chosen = torch.tensor(routes[rank])
+    x = torch.randn(chosen.shape[0], 16, requires_grad=True)
+    w = torch.rand(chosen.shape, requires_grad=True)
+    results = {}
+    for name, module in (("whole", whole), ("ep", sharded)):
+        out = module(x, chosen, w)
+        (out * torch.linspace(-1, 1, 16)).sum().backward()
+        results[name] = {"out": out.detach(), "x": x.grad.clone(), "w": w.grad.clone()}
+        x.grad = w.grad = None
+    grads = torch.cat([p.grad.reshape(-1) for p in (whole.gate_up_proj, whole.down_proj)])
+    torch.distributed.all_reduce(grads)  # the whole gradient over both ranks' tokens
+    held = 4 // world
+    full = [g.view_as(p)[rank * held:(rank + 1) * held] for g, p in
+            zip(grads.split([whole.gate_up_proj.numel(), whole.down_proj.numel()]), (whole.gate_up_proj, whole.down_proj))]
+    results["weight_grads"] = [(f, p.grad) for f, p in zip(full, (sharded.gate_up_proj, sharded.down_proj))]
+    return results
+
+
+@pytest.mark.parametrize("routes", [
+    # rank 0: everything to the skip class (sends nothing); rank 1: only its own experts (rank 0 receives nothing)
+    [[[4, 4]] * 5, [[2, 3], [3, 2], [2, 2], [3, 4], [4, 2]]],
+    [[[0, 3], [1, 4], [2, 0], [3, 1], [4, 4]], [[1, 2], [0, 0], [3, 4], [2, 1], [0, 3]]],
+], ids=["one-rank-idle", "mixed"])
+def test_the_dispatcher_gives_the_whole_experts_outputs_and_gradients(routes):
+    for r in run_ok(_dispatch, 2, routes):
+        for key in ("out", "x", "w"):
+            torch.testing.assert_close(r["ep"][key], r["whole"][key], rtol=1e-6, atol=1e-6)
+        for want, got in r["weight_grads"]:  # None: no row reached this rank (reduce_gradients counts it zero)
+            torch.testing.assert_close(torch.zeros_like(want) if got is None else got, want, rtol=1e-6, atol=1e-6)

@@ -13,8 +13,8 @@ host together: ``all_to_all_single`` with variable splits takes Python lists, so
 (every step's forward, and again in a recomputed forward under activation checkpointing; the backward reuses the
 forward's splits). The rows then go to their experts' ranks with one ``all_to_all_single``, are regrouped by local
 expert (a stable sort: source rank order within an expert), run through ``Experts.run_grouped`` and come back with
-a second ``all_to_all_single``; the autograd versions of both (``torch.distributed.nn.functional``) send the
-gradients the opposite way. Dropless: every routed assignment is computed. A rank that sends or receives nothing
+a second ``all_to_all_single``; the autograd versions of both (``torch.distributed._functional_collectives``, as
+torchtitan uses, traceable) send the gradients the opposite way. Dropless: every routed assignment is computed. A rank that sends or receives nothing
 still joins every collective, forward and backward (its outputs depend on the exchanged tensors).
 
 **Gradients.** The expert weights are left out of DDP's all-reduce (``ignored_parameters``); after the last
@@ -171,7 +171,7 @@ class Dispatch:
 
     def __call__(self, experts: nn.Module, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
                  ) -> torch.Tensor:
-        from torch.distributed.nn.functional import all_to_all_single
+        from torch.distributed._functional_collectives import all_to_all_single_autograd as exchange
 
         n, k = chosen.shape
         e, size, held = experts.num_experts, self.size, self.held
@@ -187,14 +187,13 @@ class Dispatch:
         per_expert = [sum(host[e + s * held + j] for s in range(size)) for j in range(held)]
         routed, received = sum(send), sum(recv)
         dest = order[:routed]  # the skip class sorts last and is cut: handled here, never sent
-        rows = all_to_all_single(x.new_empty(received, x.shape[1]), x.index_select(0, dest // k), recv, send,
-                                 group=self.group)
+        rows = exchange(x.index_select(0, dest // k), recv, send, self.group)
         # Regroup by held expert (the rows come grouped by source rank, then expert), compute, and undo it.
         key = torch.arange(held, device=flat.device).repeat(size)
         perm = torch.argsort(key.repeat_interleave(incoming, output_size=received), stable=True)
         y_sorted = experts.run_grouped(rows.index_select(0, perm), incoming.view(size, held).sum(0), per_expert)
         y = torch.zeros_like(y_sorted).index_copy(0, perm, y_sorted)
-        back = all_to_all_single(y.new_empty(routed, y.shape[1]), y, send, recv, group=self.group)
+        back = exchange(y, send, recv, self.group)
         mixed = back * weights.reshape(-1).index_select(0, dest).to(y.dtype)[:, None]
         out = y.new_zeros(n * k, y.shape[1]).index_copy(0, dest, mixed)
         if not routed:  # keep the exchanges' backward and the mixing weights in the graph on this rank too
