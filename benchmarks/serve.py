@@ -5,10 +5,11 @@ clients); (3) KV + CCA state bytes per token against an MHA model of the same wi
 (4) with ``--speculative``, only: prompt-lookup speculation at batch 1 against plain decoding (``bench_speculative``);
 (5) with ``--prefix-cache``, only: time to first token with a 1,024-token prefix cached against not
 (``bench_prefix_cache``); (6) with ``--memory``, only: resident memory of an idle and a busy engine of 16 sequences
-of 131,072 positions against the weights (``bench_memory``).
+of 131,072 positions against the weights (``bench_memory``); (7) with ``--compile``, only: the decode step at batch 1
+compiled against eager (``bench_compiled_decode``).
 
 Run: ``PYTHONPATH=src python benchmarks/serve.py [--threads 1] [--skip-load] [--quick] [--speculative |
---prefix-cache | --memory]``
+--prefix-cache | --memory | --compile]``
 """
 
 from __future__ import annotations
@@ -267,6 +268,44 @@ def bench_memory(context: int, slots: int, in_flight: int) -> dict:
             "whole_context_reservation_mb": full / 2**20}
 
 
+def bench_compiled_decode(prompt: int, steps: int, repeats: int) -> dict:
+    """The slot decoder's step at batch 1 (tiny shape, fp32) eager against compiled (``SlotDecoder(compile=True)``,
+    inductor), on two decoders holding the same prompt, alternating rounds of ``steps`` steps, median per step;
+    compile time (the first compiled steps) reported apart; the logits must agree."""
+    from zaya.model.slots import SlotDecoder
+
+    model, _ = build_models(prompt + steps * (repeats + 2) + 8)
+    ids = torch.randint(3, model.config.vocab_size, (prompt + steps * (repeats + 2),),
+                        generator=torch.Generator().manual_seed(5))
+    decoders = {"eager": SlotDecoder(model, 1, len(ids) + 1), "compiled": SlotDecoder(model, 1, len(ids) + 1,
+                                                                                      compile=True)}
+    times: dict = {k: [] for k in decoders}
+    with torch.no_grad():
+        for dec in decoders.values():
+            dec.prefill(0, ids[:prompt], 0)
+            dec.ensure(0, len(ids))
+        t = time.perf_counter()
+        for p in (prompt, prompt + 1):  # the first compile, and the step that would recompile for a new span
+            decoders["compiled"].step(ids[p:p + 1], torch.tensor([p]), p + 1)
+        compile_s = time.perf_counter() - t
+        decoders["eager"].step(ids[prompt:prompt + 1], torch.tensor([prompt]), prompt + 1)
+        decoders["eager"].step(ids[prompt + 1:prompt + 2], torch.tensor([prompt + 1]), prompt + 2)
+        worst = 0.0
+        for r in range(repeats):
+            start = prompt + 2 + r * steps
+            logits = {}
+            for name, dec in decoders.items():
+                for p in range(start, start + steps):
+                    t = time.perf_counter()
+                    logits[name] = dec.step(ids[p:p + 1], torch.tensor([p]), p + 1)
+                    times[name].append(time.perf_counter() - t)
+            worst = max(worst, float((logits["eager"] - logits["compiled"]).abs().max()))
+    eager_ms, compiled_ms = (1e3 * statistics.median(times[k]) for k in ("eager", "compiled"))
+    return {"mode": "compiled_decode", "prompt": prompt, "steps": steps * repeats, "eager_step_ms": eager_ms,
+            "compiled_step_ms": compiled_ms, "speedup": eager_ms / compiled_ms, "compile_s": compile_s,
+            "max_logit_difference": worst, "compiled_in_use": decoders["compiled"]._compiled is not None}
+
+
 async def _client(url: str, jobs: asyncio.Queue, prompt: list[int], max_tokens: int, stats: list) -> None:
     import httpx
 
@@ -367,11 +406,16 @@ def main() -> None:
     ap.add_argument("--speculative", action="store_true", help="only the prompt-lookup speculation benchmark")
     ap.add_argument("--prefix-cache", action="store_true", help="only the prefix-cache time-to-first-token benchmark")
     ap.add_argument("--memory", action="store_true", help="only the resident-memory benchmark (131,072 positions)")
+    ap.add_argument("--compile", action="store_true", help="only the compiled against eager decode step benchmark")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.prefix_cache:
         prefix, suffix = (64, 4) if args.quick else (1024, 16)
         print(json.dumps(bench_prefix_cache(prefix, suffix, 1 if args.quick else max(5, args.repeats))), flush=True)
+        return
+    if args.compile:
+        print(json.dumps(bench_compiled_decode(64, 16 if args.quick else 64, 1 if args.quick else args.repeats)),
+              flush=True)
         return
     if args.memory:
         context, in_flight = (4096, 64) if args.quick else (131072, 1024)

@@ -110,3 +110,33 @@ def test_single_query_attention_equals_sdpa():
     sdpa_err = (sdpa16 - want.reshape(3, 64)).abs().max()
     assert (ours16 - want.reshape(3, 64)).abs().max() <= sdpa_err + 2 * 2**-8
 
+
+
+def test_the_compiled_step_equals_the_eager_one_without_recompiling(monkeypatch):
+    """``compile``: one graph (dynamic shapes) serves a growing attention span, block boundaries and rows at
+    different positions; its logits equal the eager step's. Traced by dynamo into a counting backend that runs the
+    graph as it is (inductor's code generation takes minutes here; benchmarks/serve.py --compile measures it)."""
+    from torch._dynamo.testing import CompileCounter
+
+    import zaya.model.slots as slots
+
+    counter = CompileCounter()
+    monkeypatch.setattr(slots, "COMPILE_BACKEND", counter)
+    torch._dynamo.reset()
+    model = tiny_model().eval()
+    perturb(model, seed=3)
+    seq = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+    decoders = [SlotDecoder(model, 2, 32, block_size=4, compile=c) for c in (False, True)]
+    with torch.no_grad():
+        for dec in decoders:
+            dec.prefill(0, seq[0, :5], 0)
+            dec.prefill(1, seq[1, :9], 0)
+            dec.ensure(0, 30)
+            dec.ensure(1, 30)
+        for i in range(12):
+            positions = torch.tensor([5 + i, 9 + i])
+            tokens = seq[torch.arange(2), positions]
+            eager, compiled = (dec.step(tokens, positions, keys=10 + i) for dec in decoders)
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)  # the same ops; fp32 rounding at most
+    assert counter.frame_count == 1 and counter.op_count > 0
+    torch._dynamo.reset()

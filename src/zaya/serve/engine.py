@@ -84,12 +84,13 @@ class Engine:
     max_seq_len), whose keys and values share a pool of ``kv_blocks`` blocks of ``block_size`` tokens (default:
     enough for every slot's whole capacity). ``decode`` (token ids -> text) is needed for stop strings.
     ``prefix_caching`` reuses the blocks of prompt prefixes computed before. ``speculative_ngram`` > 0 turns on
-    prompt-lookup speculation (n-grams of up to that many tokens, ``speculative_tokens`` drafted per step)."""
+    prompt-lookup speculation (n-grams of up to that many tokens, ``speculative_tokens`` drafted per step).
+    ``compile``: the decode step runs under ``torch.compile`` (``zaya.model.slots``)."""
 
     def __init__(self, model, num_slots: int = 16, capacity: int | None = None, prefill_chunk: int = 512,
                  decode: Callable[[list[int]], str] | None = None, speculative_ngram: int = 0,
                  speculative_tokens: int = 4, block_size: int = 16, kv_blocks: int | None = None,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, compile: bool = False) -> None:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         if speculative_ngram < 0 or speculative_tokens < 1:
@@ -105,7 +106,7 @@ class Engine:
         self.capacity = capacity or model.config.max_seq_len
         self.num_slots = num_slots
         self.decoder = SlotDecoder(model, num_slots, self.capacity, block_size=block_size, num_blocks=kv_blocks,
-                                   prefix_states=prefix_caching)
+                                   prefix_states=prefix_caching, compile=compile)
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.prefix_queried = 0
