@@ -25,7 +25,8 @@ order (~1e-6 on the logits; tested against the forward). The packed weights are 
 build a new one after changing the weights.
 
 With ``compile``, the decode step runs under ``torch.compile`` with dynamic shapes (one graph for every attention
-span and number of rows; inductor fuses the step's many small element-wise ops): 1.8-1.9x the eager step at batch 1
+span, and a second once several rows decode: dynamo specialises a size of 1; inductor fuses the step's many small
+element-wise ops): 1.8-1.9x the eager step at batch 1
 on the tiny shape in fp32 on a CPU (benchmarks/serve.py --compile). Compiling takes minutes on a few CPU cores, so
 callers turn it on where it pays (``zaya serve --compile``). A failed compile logs one warning and the decoder steps
 eagerly from then on.
@@ -278,7 +279,7 @@ class SlotDecoder:
         self.device = device
         self._rows = torch.arange(num_slots, device=self.device)
         self._key_index = torch.arange(capacity + 1, device=self.device)
-        # dynamic: the attention span grows by one every step, and the rows in a step vary; one graph serves them
+        # dynamic: the attention span grows by one every step and the rows in a step vary; a graph serves them all
         self._compiled = torch.compile(self._step, dynamic=True, backend=COMPILE_BACKEND) if compile else None
 
     @staticmethod
