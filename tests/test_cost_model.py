@@ -39,6 +39,21 @@ def test_gemm_flops_and_bytes():
     assert k.bytes == 4 * (64 * 32 + 16 * 32 + 64 * 16)
 
 
+def test_grouped_gemm_flops():
+    """Both forms of the expert GEMM: rows grouped into experts ([M, K] x [E, K, N]) and the weight gradient grouped
+    over the rows ([N, M] x [M, K] -> [E, N, K]): 2 M N K either way, whatever the split."""
+    from zaya.model import moe  # noqa: F401  (registers zaya::grouped_mm)
+
+    m, k, n, e = 96, 32, 48, 4
+
+    def run():
+        offs = torch.tensor([10, 40, 40, 96], dtype=torch.int32)
+        torch.ops.zaya.grouped_mm(torch.empty(m, k), torch.empty(e, k, n), offs)
+        torch.ops.zaya.grouped_mm(torch.empty(n, m), torch.empty(m, k), offs)
+    kernels = [x for x in _record(run) if x.kind == GEMM]
+    assert [x.flops for x in kernels] == [2 * m * k * n, 2 * m * k * n]
+
+
 def test_copy_bytes_and_views_free():
     def run():
         src, dst = torch.empty(1000), torch.empty(1000)
@@ -90,3 +105,18 @@ def test_compiled_fuses_block_kernels(kernels):
     assert compiled.launches < eager.launches and compiled.seconds <= eager.seconds
     assert set(eager.by_phase) == {"forward", "backward", "clip", "optimizer"}
     assert {"moe experts", "attention", "head and loss"} <= set(eager.by_part)
+
+
+def test_cli_predicts_and_refuses_unknown_device(capsys):
+    import json
+
+    from zaya.cli import main
+
+    args = ["tune", "cost", "--config", "configs/tiny.toml", "--layers", "1", "--micro-batch", "1", "--seq-len",
+            "32", "--device", "h200"]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["compiled"] for p in out["predictions"]] == [False, True]
+    assert all(p["step_ms"] > 0 and 0 < p["mfu"] < 1 for p in out["predictions"])
+    assert main(args[:-1] + ["a100"]) == 2
+    assert "unknown device(s) a100" in capsys.readouterr().err

@@ -481,6 +481,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune_comm.add_arguments(p)
     p.set_defaults(func=tune_comm.run)
+    p = tune.add_parser("cost", help="predict a config's training step time, MFU and top time sinks on H100, H200, "
+                                     "MI300X or this CPU (the cost model; docs/tuning.md)",
+                        description="Trace one training step of the config's model on fake tensors (every kernel "
+                                    "with its FLOPs and bytes) and price it on device profiles, eager and compiled.")
+    from zaya.tune import cost_command as tune_cost
+
+    tune_cost.add_arguments(p)
+    p.set_defaults(func=tune_cost.run)
 
     p = verbs.add_parser("plan", help="memory per GPU, largest micro-batch, run time, checkpoint and data needs of a "
                                       "config on a cluster (docs/tuning.md)",

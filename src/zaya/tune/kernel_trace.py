@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -175,13 +176,14 @@ class KernelRecorder(TorchDispatchMode):
             flops = sdpa_backward_flop_count(tuple(args[0].shape), *shapes) if func in _SDPA_BACKWARD \
                 else sdpa_flop_count(*shapes)
             return flops * (0.5 if causal else 1.0), ATTENTION, (0, 0, 0)
-        if name in ("_grouped_mm", "grouped_mm"):  # aten's and zaya::grouped_mm: [M, K] x [E, K, N] or grouped over K
+        if name in ("_grouped_mm", "grouped_mm"):  # aten's and zaya::grouped_mm
             a, b = args[0], args[1]
-            groups = b.shape[0] if b.dim() == 3 else out.shape[0]
-            m, n = (out.shape[0], out.shape[1]) if out.dim() == 2 else (out.shape[1], out.shape[2])
-            k = a.shape[1] if b.dim() == 3 else a.shape[1]
-            rows = m // groups if out.dim() == 2 else m
-            return 2.0 * (m * n * k if out.dim() == 2 else groups * m * n * k), GEMM, (groups, rows, n)
+            if b.dim() == 3:  # [M, K] x [E, K, N] -> [M, N], rows split among the E groups
+                groups, (m, n), k = b.shape[0], out.shape, a.shape[1]
+                return 2.0 * m * n * k, GEMM, (groups, math.ceil(m / groups), n)
+            # [N, M] x [M, K] -> [E, N, K], the M rows split among the E groups (a weight gradient)
+            groups, n, k = out.shape
+            return 2.0 * n * a.shape[1] * k, GEMM, (groups, n, k)
         if func is aten.convolution_backward.default:
             # torch's formula ignores the groups of a grouped convolution's backward (CCA's are grouped): each
             # gradient asked for (input, weight) costs what the forward does.
