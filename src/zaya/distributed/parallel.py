@@ -18,6 +18,10 @@ comm``, defaults otherwise): DDP's and ZeRO-1's gradient bucket size (``bucket_c
 ``reshard_after_forward`` for each block. ``Parallel.describe()`` names them and where they came from (the trainer's
 start-up line).
 
+Under expert parallelism (``train.expert_parallel``, ddp and zero1: ``zaya.distributed.expert_parallel``) each rank
+holds a slice of the experts: DDP leaves those shards out, ZeRO-1 lets each rank own its own, and
+``finish_gradients`` reduces them over the ranks that hold the same slice.
+
 A single process (no process group) gets the bare model whichever mode is configured.
 """
 
