@@ -29,6 +29,10 @@ from zaya.core.fsutil import cache_root
 
 BACKEND = "inductor"
 """The ``torch.compile`` backend of the blocks (tests swap in a cheaper one that traces the same graphs)."""
+RECOMPILE_LIMIT = 64
+"""Compiled variants dynamo keeps of one function before it runs further ones eagerly (its default, 8, is too few
+here): every block shares ``Block.forward``, and a run needs one variant per block kind (two) and shape (training,
+validation, the routing probe) of each ``[[stages]]`` shape."""
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 """Inductor's cache directory variable; zaya sets it (to ``<zaya cache>/inductor``) only when it is unset."""
 T = TypeVar("T")
@@ -50,6 +54,8 @@ class CompiledBlocks:
         self.model, self.log = model, log
         self.active = True
         os.environ.setdefault(CACHE_ENV, str(cache_root() / "inductor"))
+        limits = torch._dynamo.config
+        limits.recompile_limit = max(limits.recompile_limit, RECOMPILE_LIMIT)
         for block in model.blocks:
             block.compile(backend=BACKEND, dynamic=False)
 
