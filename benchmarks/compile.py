@@ -13,8 +13,8 @@ directory unless ``--cache-dir`` names one (then a rerun reports the cached comp
 each, then ``--steps`` rounds, each one eager step and one compiled step back to back (the order alternating
 between rounds), so machine noise hits both alike; figures are medians over the rounds, of wall time and of this
 process's CPU time (``*_cpu_s``: with ``--threads 1`` the step's compute, which other processes sharing the cores
-do not inflate the way they inflate wall time; inductor's compile workers are other processes). Each round waits first for
-a quiet machine (``--quiet-below``, benchmarks/quiet.py). Both copies see the same batches; ``max_loss_rel_diff``
+do not inflate the way they inflate wall time; inductor's compile workers are other processes). Each round waits
+first for a quiet machine (``--quiet-below``, benchmarks/quiet.py). Both copies see the same batches; ``max_loss_rel_diff``
 is the largest relative difference of their losses over every step (fp32: rounding of fused reductions).
 
 Shapes: ``tiny`` is configs/tiny.toml's model (d=256, 4 layers, 8 experts, 16 x 128 tokens); ``wide`` doubles
