@@ -11,13 +11,16 @@ the plans that run had (the loss in 2^19-element chunks, the default then; Newto
   Newton-Schulz: standard 23.2 ms, Gram 20.9 ms.
 
 CPU figures, measured here by this script: the trainer's step (forward with labels, backward, clip, Muon + AdamW,
-zero_grad) of configs/tiny.toml's model and a wider one in fp32, timed after a warm-up (median of ``--steps``),
-against the prediction on this CPU's profile, measured by microbenchmarks before (``zaya.tune.cost.measure_cpu``).
+zero_grad) of configs/tiny.toml's model and a wider one in fp32, timed after two warm-up steps, against the
+prediction on this CPU's profile measured by microbenchmarks (``zaya.tune.cost.measure_cpu``) just before, in
+``--rounds`` alternating rounds (medians).
 
-Then ZAYA1-base's step (ZeRO-1, 4k context, micro-batch 1 per GPU as configs/zaya1-base.toml and ``zaya plan``
-say; the loss in today's GPU chunks) on the H200 and the MI300X, eager and compiled, with MFU and the top sinks.
+Then ZAYA1-base's micro-batch (ZeRO-1, 4k context; micro-batch 1 as configs/zaya1-base.toml, and 5 on the
+MI300X, the most ``zaya plan`` fits there without activation checkpointing; the loss in today's GPU chunks) on the
+H200 and the MI300X: forward + backward, eager, compiled, and what-ifs (the loss fused too; attention kernels at the
+GEMMs' efficiency), with MFU, and the top sinks of one full-depth trace.
 
-Run: ``PYTHONPATH=src python benchmarks/cost_model.py [--smoke] [--steps N]``; prints one JSON object.
+Run: ``PYTHONPATH=src python benchmarks/cost_model.py [--smoke] [--rounds N] [--skip-cpu]``; prints one JSON object.
 """
 
 from __future__ import annotations
@@ -50,8 +53,13 @@ def _row(name: str, measured: float, predicted: float) -> dict:
             "error": round(predicted / measured - 1, 3)}
 
 
-def _base(layers: int | None = None) -> ModelConfig:
-    cfg = load_config(ROOT / "configs" / "zaya1-base.toml").model
+# --smoke: every part on a micro model, in seconds (tests/test_cost_model.py runs it)
+SMOKE_MODEL = ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_query_heads=4, num_kv_heads=2,
+                          head_dim=16, num_experts=4, expert_hidden_size=64, router_hidden_size=16)
+
+
+def _base(layers: int | None = None, smoke: bool = False) -> ModelConfig:
+    cfg = SMOKE_MODEL if smoke else load_config(ROOT / "configs" / "zaya1-base.toml").model
     return dataclasses.replace(cfg, num_layers=layers) if layers else cfg
 
 
@@ -89,8 +97,8 @@ def _muon_kernels(method: str, shapes, device_plans):
 
 def gpu_validation(smoke: bool) -> list[dict]:
     h200 = DEVICES["h200"]
-    layers, batch, seq = (1, 1, 256) if smoke else (4, 4, 4096)
-    kernels = trace_step(_base(layers), batch, seq, plans=gpu_plans(RUN_CHUNK))
+    layers, batch, seq = (1, 1, 32) if smoke else (4, 4, 4096)
+    kernels = trace_step(_base(layers, smoke), batch, seq, plans=gpu_plans(RUN_CHUNK))
     p = predict(kernels, h200)
     fwd_bwd = (p.by_phase["forward"] + p.by_phase["backward"]) * 1e3
     rows = [_row("H200 4-layer step", MEASURED["h200_step_ms"], p.seconds * 1e3),
@@ -101,7 +109,7 @@ def gpu_validation(smoke: bool) -> list[dict]:
     rows[0]["top_parts"] = {k: round(v * 1e3, 1) for k, v in p.top("by_part")}
     rows[0]["top_kinds"] = {k: round(v * 1e3, 1) for k, v in p.top("by_kind")}
     rows[0]["bound_ms"] = {k: round(v * 1e3, 1) for k, v in p.bound.items()}
-    moe = predict(_moe_block_kernels(_base(), 256 if smoke else 4096), h200)
+    moe = predict(_moe_block_kernels(_base(smoke=smoke), 32 if smoke else 4096), h200)
     rows.append(_row("H200 MoE block fwd + bwd, 4,096 tokens", MEASURED["h200_moe_block_ms"], moe.seconds * 1e3))
     shapes = [tuple(max(1, x // 16) for x in s) for s in MUON_SHAPES] if smoke else MUON_SHAPES
     for method in ("standard", "gram"):
@@ -110,7 +118,8 @@ def gpu_validation(smoke: bool) -> list[dict]:
     return rows
 
 
-def _cpu_step_ms(cfg: ModelConfig, batch: int, seq: int, steps: int) -> float:
+def _cpu_stepper(cfg: ModelConfig, batch: int, seq: int):
+    """One fp32 training step of ``cfg`` on this CPU as the trainer runs it, as a callable returning its ms."""
     from zaya.model import ZayaForCausalLM
     from zaya.optim.build import build_optimizers, split_parameters
 
@@ -120,64 +129,115 @@ def _cpu_step_ms(cfg: ModelConfig, batch: int, seq: int, steps: int) -> float:
     optimizers = build_optimizers(split_parameters(model, ocfg.muon), ocfg)
     params = [p for p in model.parameters() if p.requires_grad]
     ids = torch.randint(3, cfg.vocab_size, (batch, seq))
-    times = []
-    for i in range(steps + 2):
+
+    def step() -> float:
         t0 = time.perf_counter()
         model(ids, labels=ids).loss.backward()
         torch.nn.utils.clip_grad_norm_(params, ocfg.grad_clip)
         for opt in optimizers:
             opt.step()
         model.zero_grad(set_to_none=True)
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        return (time.perf_counter() - t0) * 1e3
+
+    step()
+    step()  # warm-up: optimizer state, allocator
+    return step
 
 
-def cpu_validation(steps: int, smoke: bool) -> tuple[list[dict], dict]:
-    cpu = measure_cpu()
+def cpu_validation(rounds: int, smoke: bool, threads: int) -> tuple[list[dict], dict]:
+    """Alternating rounds, each after waiting for a quiet machine: this CPU's profile measured by microbenchmarks,
+    then one step of each shape; the medians of both. The machine is shared: what slows a round's step slows its
+    microbenchmarks too, so each prediction uses the profile of its own round. ``threads``: intra-op threads of
+    both (1 by default: with other jobs on the cores, two threads' OpenMP barriers stalled a tiny GEMM to 70 ms)."""
+    from quiet import wait_quiet
+
+    torch.set_num_threads(threads)
+
     tiny = load_config(ROOT / "configs" / "tiny.toml").model
     wide = dataclasses.replace(tiny, hidden_size=512, expert_hidden_size=1024, num_query_heads=8, num_kv_heads=2)
-    cases = [("tiny", tiny, 4, 128)] + ([] if smoke else [("wide", wide, 4, 256)])
-    rows = []
-    for name, cfg, batch, seq in cases:
-        measured = _cpu_step_ms(cfg, batch, seq, steps)
-        predicted = predict(trace_step(cfg, batch, seq, dtype="float32"), cpu).seconds * 1e3
-        rows.append(_row(f"CPU {name} step fp32 ({batch} x {seq}, d {cfg.hidden_size})", round(measured, 1),
-                         predicted))
-    profile = {"gemm_fp32_gflops": round(cpu.peak_flops["float32"] / 1e9, 1),
-               "bandwidth_gb_s": round(cpu.bandwidth / 1e9, 1), "launch_us": round(cpu.launch_s * 1e6, 2),
-               "attention_efficiency": round(cpu.attention_efficiency, 3), "device": cpu.name}
+    cases = [("smoke", SMOKE_MODEL, 1, 32)] if smoke else [("tiny", tiny, 4, 128), ("wide", wide, 4, 256)]
+    traces = {name: trace_step(cfg, b, t, dtype="float32") for name, cfg, b, t in cases}
+    steppers = {name: _cpu_stepper(cfg, b, t) for name, cfg, b, t in cases}
+    measured: dict[str, list[float]] = {name: [] for name, *_ in cases}
+    predicted: dict[str, list[float]] = {name: [] for name, *_ in cases}
+    profiles = []
+    for _ in range(rounds):
+        wait_quiet(0.25, 0 if smoke else 30)
+        cpu = measure_cpu()
+        profiles.append(cpu)
+        for name, *_ in cases:
+            measured[name].append(steppers[name]())
+            predicted[name].append(predict(traces[name], cpu).seconds * 1e3)
+    rows = [_row(f"CPU {name} step fp32 ({b} x {t}, d {cfg.hidden_size}, Muon + AdamW)",
+                 round(statistics.median(measured[name]), 1), statistics.median(predicted[name]))
+            for name, cfg, b, t in cases]
+    med = lambda f: statistics.median(f(c) for c in profiles)  # noqa: E731
+    profile = {"gemm_fp32_gflops": round(med(lambda c: c.peak_flops["float32"]) / 1e9, 1),
+               "bandwidth_gb_s": round(med(lambda c: c.bandwidth) / 1e9, 1),
+               "launch_us": round(med(lambda c: c.launch_s) * 1e6, 2),
+               "attention_efficiency": round(med(lambda c: c.attention_efficiency), 3),
+               "device": profiles[0].name, "rounds": rounds}
     return rows, profile
 
 
-def zaya1_base(smoke: bool) -> list[dict]:
-    layers, seq = (1, 256) if smoke else (None, 4096)
-    cfg = _base(layers)
-    kernels = trace_step(cfg, 1, seq, plans=gpu_plans(GPU_LOSS_CHUNK_ELEMENTS))
-    out = []
-    for key in ("h200", "mi300x"):
-        for compiled in (False, True):
-            p = predict(kernels, DEVICES[key], compiled)
-            out.append({"device": DEVICES[key].name, "compiled": compiled, "step_ms": round(p.seconds * 1e3, 1),
-                        "mfu": round(mfu(cfg, seq, seq, p.seconds, DEVICES[key].peak_flops["bfloat16"]), 3),
-                        "launches": p.launches,
-                        "top_parts_ms": {k: round(v * 1e3, 1) for k, v in p.top("by_part")},
-                        "top_kinds_ms": {k: round(v * 1e3, 1) for k, v in p.top("by_kind")},
-                        "bound_ms": {k: round(v * 1e3, 1) for k, v in p.bound.items()}})
-    return out
+def _per_layer(kernels_1, kernels_2, layers: int, device, **kw) -> dict[str, float]:
+    """Seconds of the forward + backward at ``layers`` layers, by phase: the traces of 1 and 2 layers extrapolated
+    linearly (every layer is the same work; ``full_trace_check`` compares one full-depth trace)."""
+    a, b = predict(kernels_1, device, **kw), predict(kernels_2, device, **kw)
+    return {ph: a.by_phase[ph] + (layers - 1) * (b.by_phase[ph] - a.by_phase[ph]) for ph in ("forward", "backward")}
+
+
+def zaya1_base(smoke: bool) -> dict:
+    """ZAYA1-base, 4k context, forward + backward of one micro-batch per GPU (the per-micro-batch work; clip and the
+    optimizer come once per optimizer step, and ZeRO-1 shards the optimizer over the ranks), eager and compiled,
+    with what-ifs for the list that reaches 35 %."""
+    cfg = _base(smoke=smoke)
+    seq = 32 if smoke else 4096
+    layers = cfg.num_layers
+    plans = gpu_plans(GPU_LOSS_CHUNK_ELEMENTS)
+    batches = {"h200": [1], "mi300x": [1] if smoke else [1, 5]}  # zaya plan: zero1, no AC: H200 1, MI300X 5
+    traces = {}
+    for b in sorted({b for bs in batches.values() for b in bs}):
+        traces[b] = [trace_step(_base(n, smoke), b, seq, plans=plans, optimizer=False) for n in (1, 2)]
+    rows = []
+    for key, bs in batches.items():
+        dev = DEVICES[key]
+        fa3 = dataclasses.replace(dev, attention_efficiency=dev.gemm_efficiency)
+        for b in bs:
+            k1, k2 = traces[b]
+            cases = [("eager", dev, {}), ("compiled (blocks)", dev, {"compiled": True}),
+                     ("compiled, loss and embedding fused too", dev, {"compiled": True, "eager_parts": ()}),
+                     ("... and attention at the GEMM efficiency", fa3, {"compiled": True, "eager_parts": ()})]
+            for name, d, kw in cases:
+                phases = _per_layer(k1, k2, layers, d, **kw)
+                t = sum(phases.values())
+                rows.append({"device": dev.name, "micro_batch": b, "variant": name,
+                             "fwd_bwd_ms": round(t * 1e3, 1),
+                             "mfu": round(mfu(cfg, b * seq, seq, t, dev.peak_flops["bfloat16"]), 3)})
+    full = {}
+    if not smoke:  # the extrapolation against one full-depth trace (H200, micro-batch 1, eager)
+        p = predict(trace_step(cfg, 1, seq, plans=plans, optimizer=False), DEVICES["h200"])
+        full = {"full_trace_ms": round(p.seconds * 1e3, 1),
+                "extrapolated_ms": round(sum(_per_layer(*traces[1], layers, DEVICES["h200"]).values()) * 1e3, 1),
+                "top_parts_ms": {k: round(v * 1e3, 1) for k, v in p.top("by_part", 6)},
+                "top_kinds_ms": {k: round(v * 1e3, 1) for k, v in p.top("by_kind", 6)},
+                "bound_ms": {k: round(v * 1e3, 1) for k, v in p.bound.items()}}
+    return {"seq_len": seq, "layers": layers, "rows": rows, "full_trace_check": full}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="small shapes: checks that every part runs (seconds)")
-    ap.add_argument("--steps", type=int, default=5, help="timed CPU steps per shape (median)")
+    ap.add_argument("--smoke", action="store_true", help="a micro model: checks that every part runs (seconds)")
+    ap.add_argument("--rounds", type=int, default=5, help="CPU rounds (a profile and a step of each shape)")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads of the CPU rounds (default 1)")
     ap.add_argument("--skip-cpu", action="store_true")
     args = ap.parse_args()
     t0 = time.perf_counter()
     result = {"gpu_validation": gpu_validation(args.smoke)}
     if not args.skip_cpu:
-        result["cpu_validation"], result["cpu_profile"] = cpu_validation(2 if args.smoke else args.steps, args.smoke)
-    result["zaya1_base_4k_micro_batch_1"] = zaya1_base(args.smoke)
+        result["cpu_validation"], result["cpu_profile"] = cpu_validation(1 if args.smoke else args.rounds, args.smoke,
+                                                                       args.threads)
+    result["zaya1_base_4k"] = zaya1_base(args.smoke)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result))
 

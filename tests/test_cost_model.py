@@ -120,3 +120,22 @@ def test_cli_predicts_and_refuses_unknown_device(capsys):
     assert all(p["step_ms"] > 0 and 0 < p["mfu"] < 1 for p in out["predictions"])
     assert main(args[:-1] + ["a100"]) == 2
     assert "unknown device(s) a100" in capsys.readouterr().err
+
+
+def test_benchmark_smoke():
+    """benchmarks/cost_model.py --smoke: every validation row and prediction is produced (micro model)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "cost_model.py"), "--smoke"], cwd=root,
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert len(out["gpu_validation"]) == 7 and len(out["cpu_validation"]) == 1
+    assert all(r["predicted_ms"] > 0 for r in out["gpu_validation"] + out["cpu_validation"])
+    assert {r["variant"] for r in out["zaya1_base_4k"]["rows"]} >= {"eager", "compiled (blocks)"}

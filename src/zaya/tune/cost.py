@@ -127,10 +127,15 @@ def kernel_seconds(kernel: Kernel, device: Device, nbytes: int | None = None) ->
     return max(compute, memory, device.launch_s)
 
 
-def fuse(kernels: list[Kernel]) -> list[tuple[list[Kernel], int]]:
-    """Group ``kernels`` as a compiled block runs them: consecutive non-GEMM kernels of one phase inside the blocks
-    become one kernel whose bytes are the tensors it reads from outside and the ones read after it (or never read:
-    a result); everything else stays a kernel of its own. Returns (kernels, bytes) per launched kernel."""
+EAGER_PARTS = ("head and loss", "embedding")
+"""What ``train.compile`` leaves eager: everything outside the blocks (the optimizer and clip are never fused)."""
+
+
+def fuse(kernels: list[Kernel], eager_parts: tuple[str, ...] = EAGER_PARTS) -> list[tuple[list[Kernel], int]]:
+    """Group ``kernels`` as a compiled block runs them: consecutive non-GEMM kernels of one phase of the forward or
+    backward outside ``eager_parts`` become one kernel whose bytes are the tensors it reads from outside and the
+    ones read after it (or never read: a result); everything else stays a kernel of its own. Returns (kernels,
+    bytes) per launched kernel."""
     last_read: dict[int, int] = {}
     for i, k in enumerate(kernels):
         for sid, _ in k.reads:
@@ -139,13 +144,13 @@ def fuse(kernels: list[Kernel]) -> list[tuple[list[Kernel], int]]:
     i = 0
     while i < len(kernels):
         k = kernels[i]
-        if k.kind != "other" or k.phase not in ("forward", "backward") or k.part in ("head and loss", "embedding"):
+        if k.kind != "other" or k.phase not in ("forward", "backward") or k.part in eager_parts:
             groups.append(([k], k.bytes))
             i += 1
             continue
         j = i
         while j < len(kernels) and kernels[j].kind == "other" and kernels[j].phase == k.phase and \
-                kernels[j].part not in ("head and loss", "embedding"):
+                kernels[j].part not in eager_parts:
             j += 1
         run = kernels[i:j]
         made: set[int] = set()
@@ -187,9 +192,11 @@ class Prediction:
         return rows[:n]
 
 
-def predict(kernels: list[Kernel], device: Device, compiled: bool = False) -> Prediction:
-    """The predicted step time of ``kernels`` on ``device``, eager or compiled (``fuse``)."""
-    groups = fuse(kernels) if compiled else [([k], k.bytes) for k in kernels]
+def predict(kernels: list[Kernel], device: Device, compiled: bool = False,
+            eager_parts: tuple[str, ...] = EAGER_PARTS) -> Prediction:
+    """The predicted step time of ``kernels`` on ``device``, eager or compiled (``fuse``; ``eager_parts``: what
+    compilation leaves out)."""
+    groups = fuse(kernels, eager_parts) if compiled else [([k], k.bytes) for k in kernels]
     pred = Prediction(device.name, compiled, 0.0, len(groups), sum(k.flops for k in kernels))
     sums = {name: defaultdict(float) for name in ("by_phase", "by_kind", "by_part", "bound")}
     for run, nbytes in groups:
