@@ -45,6 +45,7 @@ from quiet import wait_quiet  # noqa: E402
 from zaya.config import ModelConfig  # noqa: E402
 from zaya.core.hardware import cpu_model_name  # noqa: E402
 from zaya.model import ZayaForCausalLM  # noqa: E402
+from zaya.core.compile import CACHE_ENV  # noqa: E402
 from zaya.train import compile as compile_module  # noqa: E402
 
 TINY = dict(vocab_size=4096, hidden_size=256, num_layers=4, num_query_heads=4, num_kv_heads=2, head_dim=64,
@@ -146,7 +147,7 @@ def main() -> None:
                         help="before each round, wait up to 30 s until other processes use at most this CPU share")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    os.environ[compile_module.CACHE_ENV] = args.cache_dir or tempfile.mkdtemp(prefix="zaya-inductor-")
+    os.environ[CACHE_ENV] = args.cache_dir or tempfile.mkdtemp(prefix="zaya-inductor-")
     print(json.dumps({"machine": cpu_model_name(), "threads": args.threads, "torch": torch.__version__,
                       "inductor_cache": os.environ[compile_module.CACHE_ENV]}), flush=True)
     speedups = {}

@@ -19,7 +19,7 @@ from conftest import MICRO_CONFIG
 from zaya.config import load_config
 from zaya.distributed.runtime import Runtime
 from zaya.train import compile as compile_module
-from zaya.train.compile import compile_wanted
+from zaya.core.compile import CACHE_ENV, compile_wanted
 
 STEPS = 3
 # fp32 (an AMX machine's "auto" would be bf16); two micro-batches a step; no checkpoints: only the steps matter.
@@ -136,7 +136,7 @@ def test_the_compile_benchmark_reports_both_steps(monkeypatch, capsys):
                                       "--warmup", "0", "--threads", "1", "--quiet-below", "1"])
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first
     monkeypatch.setattr(compile_module, "BACKEND", compile_module.BACKEND)  # the script sets it
-    monkeypatch.setenv(compile_module.CACHE_ENV, "")  # the script sets it too
+    monkeypatch.setenv(CACHE_ENV, "")  # the script sets it too
     runpy.run_path(str(script), run_name="__main__")
     machine, row, final = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert machine["machine"] and machine["threads"] == 1

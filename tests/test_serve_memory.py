@@ -107,3 +107,32 @@ def test_zaya_eval_tasks_refuses_slots_that_do_not_fit(huge_context, capsys):
     err = capsys.readouterr().err
     assert code == 2, err
     assert "8 slot(s) of 1,000,000,000 tokens need" in err and "smaller --max-model-len (now 1000000000)" in err
+
+
+def test_zaya_serve_passes_its_memory_and_compile_flags(huge_context, monkeypatch, capsys):
+    import zaya.serve.server as server
+    from zaya.cli import main
+
+    seen = {}
+    monkeypatch.setattr(server, "serve", lambda *a, **k: seen.update(k))
+    args = ["serve", "--checkpoint", str(huge_context), "--device", "cpu", "--port", "1"]
+    assert main(args) == 0
+    assert (seen["num_slots"], seen["kv_cache_memory"], seen["block_size"], seen["prefix_caching"],
+            seen["compile"]) == (16, None, 16, True, False)  # auto: no compile on a CPU
+    assert main([*args, "--max-num-seqs", "3", "--kv-cache-memory", "64M", "--block-size", "32",
+                 "--no-prefix-caching", "--compile", "on"]) == 0
+    assert (seen["num_slots"], seen["kv_cache_memory"], seen["block_size"], seen["prefix_caching"],
+            seen["compile"]) == (3, 64 << 20, 32, False, True)
+    assert main([*args, "--kv-cache-memory", "lots"]) == 2
+    assert "--kv-cache-memory: 'lots' is not a size" in capsys.readouterr().err
+
+
+def test_a_kv_pool_too_small_for_one_block_is_refused():
+    from zaya.core.errors import ConfigError
+    from zaya.serve.kv_budget import kv_blocks
+
+    model = served_model(vocab_size=512, max_seq_len=64)
+    assert kv_blocks(model, 4, 64, 16, None, True) == 4 * 4 + 1  # everything fits: every slot's whole context
+    assert kv_blocks(model, 4, 64, 16, 10**9, True) == 17  # never more than that
+    with pytest.raises(ConfigError, match=r"--kv-cache-memory 100 bytes holds 0 KV block\(s\) of 16 tokens"):
+        kv_blocks(model, 4, 64, 16, 100, True)

@@ -330,6 +330,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     """``zaya serve``: the OpenAI-compatible HTTP API on the serving engine (docs/serving.md)."""
+    from zaya.core.compile import compile_wanted
     from zaya.core.units import parse_size
     from zaya.serve.gate import API_KEY_ENV
     from zaya.serve.limits import ServeLimits, context_length
@@ -356,7 +357,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     serve(model, tokenizer, host=args.host, port=args.port, model_name=name, num_slots=args.slots,
           capacity=context, prefill_chunk=args.prefill_chunk, limits=limits,
           speculative_ngram=args.speculative_ngram, speculative_tokens=args.speculative_tokens,
-          kv_cache_memory=kv_memory, block_size=args.block_size, prefix_caching=not args.no_prefix_caching)
+          kv_cache_memory=kv_memory, block_size=args.block_size, prefix_caching=not args.no_prefix_caching,
+          compile=compile_wanted(args.compile, model.embed.weight.device))
     return 0
 
 
@@ -605,6 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not reuse the KV blocks and CCA state of prompt prefixes computed before")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="run the decode step under torch.compile (default auto: on a GPU; on a CPU the first "
+                        "compile takes minutes)")
     p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
                    help="prompt tokens per prefill chunk between decode steps (default 512)")
     p.add_argument("--speculative-ngram", type=int, default=0, metavar="N",

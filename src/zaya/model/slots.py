@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.exc import TorchDynamoException
 
+from zaya.core.compile import failure_cause, use_compile_cache
 from zaya.core.errors import ConfigError
 from zaya.core.units import format_bytes
 from zaya.model.attention import AttentionCache
@@ -280,7 +281,10 @@ class SlotDecoder:
         self._rows = torch.arange(num_slots, device=self.device)
         self._key_index = torch.arange(capacity + 1, device=self.device)
         # dynamic: the attention span grows by one every step and the rows in a step vary; a graph serves them all
-        self._compiled = torch.compile(self._step, dynamic=True, backend=COMPILE_BACKEND) if compile else None
+        self._compiled = None
+        if compile:
+            use_compile_cache()
+            self._compiled = torch.compile(self._step, dynamic=True, backend=COMPILE_BACKEND)
 
     @staticmethod
     def bytes_needed(model, num_slots: int, capacity: int, dtype: torch.dtype | None = None, block_size: int = 16,
@@ -423,9 +427,7 @@ class SlotDecoder:
             try:
                 return self._compiled(tokens, positions, keys, idle, aligned)
             except TorchDynamoException as err:  # compiling failed (dynamo or its backend): eager from now on
-                inner = getattr(err, "inner_exception", None) or err
-                log.warning("compiling the decode step failed (%s: %s); decoding eagerly", type(inner).__name__,
-                            (str(inner).strip().splitlines() or [""])[0])
+                log.warning("compiling the decode step failed (%s); decoding eagerly", failure_cause(err))
                 self._compiled = None
         return self._step(tokens, positions, keys, idle, aligned)
 

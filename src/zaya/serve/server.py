@@ -448,11 +448,12 @@ def build_app(engine: Engine, tokenizer, model_name: str = "zaya", chat_template
 def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_name: str = "zaya",
           num_slots: int = 16, capacity: int | None = None, prefill_chunk: int = 512,
           limits: ServeLimits | None = None, speculative_ngram: int = 0, speculative_tokens: int = 4,
-          kv_cache_memory: int | None = None, block_size: int = 16, prefix_caching: bool = True) -> None:
+          kv_cache_memory: int | None = None, block_size: int = 16, prefix_caching: bool = True,
+          compile: bool = False) -> None:
     """Run the server until SIGTERM / SIGINT (uvicorn). ``num_slots`` sequences at once of up to ``capacity``
     tokens, whose keys and values share a pool of ``kv_cache_memory`` bytes (None: ``zaya.serve.kv_budget``'s
     default) in blocks of ``block_size`` tokens; ``prefix_caching``: reuse cached prompt prefixes;
-    ``speculative_*``: the engine's prompt-lookup speculation. The signal stops new connections; requests still
+    ``speculative_*``: the engine's prompt-lookup speculation; ``compile``: the decode step under torch.compile. The signal stops new connections; requests still
     running ``limits.shutdown_timeout`` seconds later are stopped (a 503, or an error event ending the stream), and
     the server exits. A second SIGINT exits at once."""
     import uvicorn
@@ -467,13 +468,14 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, model_nam
         engine = Engine(model, num_slots=num_slots, capacity=capacity, prefill_chunk=prefill_chunk,
                         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                         speculative_ngram=speculative_ngram, speculative_tokens=speculative_tokens,
-                        block_size=block_size, kv_blocks=blocks, prefix_caching=prefix_caching)
+                        block_size=block_size, kv_blocks=blocks, prefix_caching=prefix_caching, compile=compile)
     except SlotMemoryError as exc:
         raise ConfigError(f"{exc.what}: pass fewer --max-num-seqs (now {num_slots}), a smaller --max-model-len "
                           f"(now {capacity}), the context each sequence may reach, or a smaller "
                           f"--kv-cache-memory") from None
     print(f"# KV cache: {describe(blocks, block_size, model, prefix_caching)}, "
-          f"prefix caching {'on' if prefix_caching else 'off'}", file=sys.stderr)
+          f"prefix caching {'on' if prefix_caching else 'off'}, decode step {'compiled' if compile else 'eager'}",
+          file=sys.stderr)
     app = build_app(engine, tokenizer, model_name, limits=limits)
     if not log.handlers:  # the requests' lines (zaya.serve.metrics) on stderr beside uvicorn's
         handler = logging.StreamHandler()

@@ -18,14 +18,13 @@ hit it (``CompiledBlocks.run``).
 
 from __future__ import annotations
 
-import os
 from typing import Callable, TypeVar
 
 import torch
 from torch import nn
 from torch._dynamo.exc import TorchDynamoException
 
-from zaya.core.fsutil import cache_root
+from zaya.core.compile import failure_cause, use_compile_cache
 
 BACKEND = "inductor"
 """The ``torch.compile`` backend of the blocks (tests swap in a cheaper one that traces the same graphs)."""
@@ -33,18 +32,7 @@ RECOMPILE_LIMIT = 64
 """Compiled variants dynamo keeps of one function before it runs further ones eagerly (its default, 8, is too few
 here): every block shares ``Block.forward``, and a run needs one variant per block kind (two) and shape (training,
 validation, the routing probe) of each ``[[stages]]`` shape."""
-CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-"""Inductor's cache directory variable; zaya sets it (to ``<zaya cache>/inductor``) only when it is unset."""
 T = TypeVar("T")
-
-
-def compile_wanted(choice: str, device: torch.device) -> bool:
-    """``train.compile`` on ``device``: "auto" compiles on GPUs (CUDA, or ROCm under the same name) and not on the
-    CPU, where inductor's first compile takes minutes on a few cores (docs/training.md, "Compiled blocks"); "on" /
-    "off" as they say."""
-    if choice == "auto":
-        return device.type == "cuda"
-    return choice == "on"
 
 
 class CompiledBlocks:
@@ -53,7 +41,7 @@ class CompiledBlocks:
     def __init__(self, model: nn.Module, log: Callable[[str], None]) -> None:
         self.model, self.log = model, log
         self.active = True
-        os.environ.setdefault(CACHE_ENV, str(cache_root() / "inductor"))
+        use_compile_cache()
         limits = torch._dynamo.config
         limits.recompile_limit = max(limits.recompile_limit, RECOMPILE_LIMIT)
         for block in model.blocks:
@@ -67,9 +55,7 @@ class CompiledBlocks:
         try:
             return work()
         except TorchDynamoException as err:
-            inner = getattr(err, "inner_exception", None) or err  # a backend's own error, under dynamo's wrapper
-            cause = f"{type(inner).__name__}: {(str(inner).strip().splitlines() or [''])[0]}"
-            self.log(f"warning: train.compile: compiling the blocks failed ({cause}); "
+            self.log(f"warning: train.compile: compiling the blocks failed ({failure_cause(err)}); "
                      "training eagerly. Set train.compile = \"off\" to skip the attempt")
             self.uncompile()
             self.model.zero_grad(set_to_none=True)

@@ -28,7 +28,8 @@ from zaya.core.layout import CHECKPOINTS, METRICS_FILE, TENSORBOARD, TOKENIZER_F
 from zaya.distributed.runtime import Runtime, collective_error, start, stop
 from zaya.train.callbacks import (Callback, CheckpointFailure, Checkpoints, Evaluation, MetricsFile, Plots,
                                   ProgressDisplay, Sample)
-from zaya.train.compile import CompiledBlocks, compile_wanted
+from zaya.core.compile import compile_wanted
+from zaya.train.compile import CompiledBlocks
 from zaya.train.metrics import RUN_DIR_ELSEWHERE
 from zaya.train.routing_probe import RoutingProbe, probe_sequence
 from zaya.train.run_dir import prepare_run_dir
