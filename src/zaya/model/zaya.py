@@ -12,6 +12,7 @@ from torch import nn
 
 from zaya.config import ModelConfig
 from zaya.model.attention import Attention, AttentionCache
+from zaya.model.fused_norm import residual_norm
 from zaya.model.layers import InputAffine, ResidualScale, RMSNorm, RotaryEmbedding
 from zaya.model.loss import cross_entropy
 from zaya.model.moe import MoEBlock
@@ -72,8 +73,7 @@ class Block(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         h = self.attn_norm(x.to(self.attn_norm.weight.dtype))
         a = self.attention(h, cos, sin, token_mask, attn_mask, cache, cache_start, documents)
-        x = self._join(self.attn_residual(a, x))
-        h = self.moe_norm(x.to(self.moe_norm.weight.dtype))
+        x, h = residual_norm(self.attn_residual, a, x, self.moe_norm, self._residual_dtype())
         m, latent, counts, aux = self.moe(h, prev_latent, token_mask)
         x = self._join(self.moe_residual(m, x))
         if latent is not None and (torch.compiler.is_compiling() or latent._is_view()):
@@ -85,7 +85,10 @@ class Block(nn.Module):
         return x, latent, counts, aux
 
     def _join(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() if self.residual_fp32 else x.to(self.attn_norm.weight.dtype)
+        return x.to(self._residual_dtype())
+
+    def _residual_dtype(self) -> torch.dtype:
+        return torch.float32 if self.residual_fp32 else self.attn_norm.weight.dtype
 
 
 class ZayaForCausalLM(nn.Module):

@@ -1,0 +1,51 @@
+"""Residual scaling joined to the RMSNorm that follows it, fused into one Triton kernel each way on a GPU.
+
+Inside a block the attention's output joins the residual stream through ``attn_residual`` and the result goes
+straight into ``moe_norm``: in eager torch that is about ten kernels each way, every one re-reading the activation.
+``residual_norm`` computes both in one pass over the rows (``zaya.model.fused_norm_triton``) where that helps: a
+CUDA or ROCm tensor, triton importable, not while torch.compile traces (inductor fuses the same ops itself) and rows
+no wider than ``fused_norm_triton.MAX_COLS``. Elsewhere it runs the torch path, the modules' own functions. Set
+``ENABLED = False`` to force the torch path everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from zaya.model.layers import ResidualScale, RMSNorm
+
+ENABLED = True
+"""Whether ``residual_norm`` may take the Triton kernels (set False to force the torch path, e.g. to compare)."""
+
+
+@functools.cache
+def _kernels() -> ModuleType | None:
+    """The kernel module, or None where triton does not import (imported on the first GPU tensor only)."""
+    try:
+        from zaya.model import fused_norm_triton
+    except ImportError:
+        return None
+    return fused_norm_triton
+
+
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether ``residual_norm`` takes the Triton kernels for a branch ``x``."""
+    if not ENABLED or x.device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    kernels = _kernels()
+    return kernels is not None and x.shape[-1] <= kernels.MAX_COLS
+
+
+def residual_norm(scale: ResidualScale, branch: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                  residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``scale(branch, residual)`` cast to ``residual_dtype``: the new residual stream, ``norm`` of it cast to the
+    norm's dtype): fused on a GPU (see the module), the torch path elsewhere."""
+    if uses_triton(branch):
+        return _kernels().ResidualNormFunction.apply(
+            branch, residual, scale.branch_bias, scale.branch_scale, scale.residual_bias, scale.residual_scale,
+            norm.weight, norm.eps, residual_dtype)
+    res = scale(branch, residual).to(residual_dtype)
+    return res, norm(res.to(norm.weight.dtype))
