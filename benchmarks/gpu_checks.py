@@ -10,7 +10,7 @@ suite can be tested on a machine without one. ``--quick`` shrinks every check on
 
 The checks live here (the ones that launch ``zaya train``, torchrun and the other benchmark scripts, and the
 in-process host-sync count), in ``gpu_model_step.py`` (the full model's training step) and in ``gpu_kernels.py``
-(flash attention, grouped_mm against the loop, Muon's Newton-Schulz methods).
+(flash attention, grouped_mm against the loop, Muon's Newton-Schulz methods, the fused Triton kernels).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from gpu_common import (ROOT, CheckTimeout, Ctx, clean, cpu_bf16_gflops, error_t
                         median, read_jsonl, rnd, run_command, say, tail)
 
 CHECKS = ("train_small", "parallel_modes", "host_syncs", "flash_attention", "grouped_mm_vs_loop", "moe_block",
-          "model_step", "muon")
+          "model_step", "muon", "fused_norm")
 
 # Leave this much of a check's budget for reading results and printing the JSON line after a subprocess.
 MARGIN_S = 15.0
@@ -301,7 +301,7 @@ def _load(name: str) -> Callable[[Ctx, dict[str, Any]], None]:
         from gpu_model_step import check_model_step
 
         return check_model_step
-    if name in ("flash_attention", "grouped_mm_vs_loop", "muon"):
+    if name in ("flash_attention", "grouped_mm_vs_loop", "muon", "fused_norm"):
         import gpu_kernels
 
         return getattr(gpu_kernels, f"check_{name}")

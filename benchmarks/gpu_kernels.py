@@ -1,5 +1,6 @@
 """GPU suite checks of single components: flash attention eligibility of the training attention, the grouped_mm
-expert path against the per-expert loop, and Muon's Newton-Schulz methods ("standard" against "gram").
+expert path against the per-expert loop, Muon's Newton-Schulz methods ("standard" against "gram"), and the fused
+Triton kernels against their torch paths.
 
 Run through ``benchmarks/gpu_checks.py CHECK`` (or the suite, ``benchmarks/gpu_suite.sh``); docs/gpu.md lists the
 keys each check reports.
@@ -357,6 +358,86 @@ def check_muon(ctx: Ctx, r: dict[str, Any]) -> None:
         if res["rc"] != 0 or not lines:
             problems.append(f"benchmarks/muon.py {' '.join(extra) or '(default)'} failed (rc {res['rc']})")
         r["script"][name] = entry
+    r["ok"] = not problems
+    if problems:
+        r["error"] = "; ".join(problems)
+
+
+# ------------------------------------------------------------------------------------------------ fused kernels
+def check_fused_norm(ctx: Ctx, r: dict[str, Any]) -> None:
+    """zaya.model.fused_norm.residual_norm (a block's attention residual scaling + MoE norm) with the Triton kernels
+    against its torch path: outputs and every gradient, forward + backward and forward-only times, at ZAYA1-base's
+    width, for the trainer's dtypes (bf16 autocast over fp32 weights: bf16 branch, fp32 residual) and bf16 weights."""
+    torch = ctx.torch
+    from zaya.model import fused_norm
+    from zaya.model.layers import ResidualScale, RMSNorm
+
+    if not ctx.cuda:
+        r["skipped"] = ("the kernels compile for GPUs only; on the CPU tests/test_triton_kernels.py checks them under "
+                        "Triton's interpreter")
+        return
+    if fused_norm._kernels() is None:
+        r["skipped"] = "triton does not import in this Python: residual_norm takes the torch path"
+        return
+    n, d = ctx.pick((16384, 2048), (8192, 2048), (256, 64))
+    dev = ctx.device
+    repeats = ctx.pick(20, 10, 2)
+    r.update(tokens=n, hidden=d, repeats=repeats)
+    variants: dict[str, Any] = {}
+    r["variants"] = variants
+    problems = []
+    tol = 2.0 ** -5  # as tests/test_triton_kernels.py: bf16 values rounded once against after each operation
+    for name, (b_dt, r_dt, p_dt) in {"autocast": (torch.bfloat16, torch.float32, torch.float32),
+                                     "bf16_weights": (torch.bfloat16, torch.float32, torch.bfloat16)}.items():
+        g = torch.Generator().manual_seed(0)
+        scale, norm = ResidualScale(d), RMSNorm(d)
+        with torch.no_grad():
+            for p in list(scale.parameters()) + list(norm.parameters()):
+                p.add_(torch.randn(d, generator=g) * 0.3)
+        scale, norm = scale.to(dev, p_dt), norm.to(dev, p_dt)
+        params = [scale.branch_bias, scale.branch_scale, scale.residual_bias, scale.residual_scale, norm.weight]
+        branch = torch.randn(n, d, generator=g).to(dev, b_dt)
+        residual = (torch.randn(n, d, generator=g) * 3).to(dev, r_dt)
+        grads = (torch.randn(n, d, generator=g).to(dev, r_dt), torch.randn(n, d, generator=g).to(dev, p_dt))
+
+        def run(fused: bool, backward: bool = True):
+            fused_norm.ENABLED = fused
+            for p in params:
+                p.grad = None
+            a, x = branch.detach().requires_grad_(backward), residual.detach().requires_grad_(backward)
+            res, h = fused_norm.residual_norm(scale, a, x, norm, r_dt)
+            if not backward:
+                return [res, h]
+            torch.autograd.backward((res, h), grads)
+            return [res, h, a.grad, x.grad] + [p.grad for p in params]
+
+        v: dict[str, Any] = {}
+        variants[name] = v
+        try:
+            got, want = run(True), run(False)
+            v["max_err"] = {k: rnd(_max_err(a, b), 3) for k, a, b in zip(
+                ("res", "h", "d_branch", "d_residual", "d_branch_bias", "d_branch_scale", "d_residual_bias",
+                 "d_residual_scale", "d_weight"), got, want)}
+            v["finite"] = all(bool(torch.isfinite(t).all()) for t in got)
+            del got, want
+            v["fused_ms"] = rnd(median(time_calls(lambda: run(True), ctx, repeats)))
+            v["torch_ms"] = rnd(median(time_calls(lambda: run(False), ctx, repeats)))
+            v["speedup"] = rnd(v["torch_ms"] / v["fused_ms"], 3)
+            v["fused_fwd_ms"] = rnd(median(time_calls(lambda: run(True, False), ctx, repeats)))
+            v["torch_fwd_ms"] = rnd(median(time_calls(lambda: run(False, False), ctx, repeats)))
+            v["speedup_fwd"] = rnd(v["torch_fwd_ms"] / v["fused_fwd_ms"], 3)
+            # The forward's least traffic: read branch and residual, write the residual and the normed activation.
+            fwd_bytes = n * d * (branch.element_size() + 2 * residual.element_size() + norm.weight.element_size())
+            v["fused_fwd_gb_per_s"] = rnd(fwd_bytes / v["fused_fwd_ms"] / 1e6)
+        finally:
+            fused_norm.ENABLED = True
+        worst = max(v["max_err"].values())
+        if not (worst <= tol and v["finite"]):
+            problems.append(f"{name}: largest max |fused - torch| / max |torch| {worst} > {tol} or not finite")
+    r["speedup"] = variants["autocast"]["speedup"]
+    r["speedup_fwd"] = variants["autocast"]["speedup_fwd"]
+    r["target_met"] = all(v["speedup"] >= 1 and v["speedup_fwd"] >= 1 for v in variants.values())
+    r["tolerance"] = tol
     r["ok"] = not problems
     if problems:
         r["error"] = "; ".join(problems)

@@ -18,7 +18,7 @@ set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 
-ALL=(flash_attention grouped_mm_vs_loop host_syncs model_step muon moe_block parallel_modes train_small)
+ALL=(flash_attention grouped_mm_vs_loop fused_norm host_syncs model_step muon moe_block parallel_modes train_small)
 PY="${PY:-$ROOT/.venv/bin/python}"
 QUICK="${QUICK:-0}"
 DEVICE="${DEVICE:-cuda}"
@@ -84,6 +84,7 @@ limit_for() {
     case "$1" in
         flash_attention) echo 60 ;;
         grouped_mm_vs_loop) echo 90 ;;
+        fused_norm) echo 60 ;;
         host_syncs) echo 120 ;;
         model_step) echo 150 ;;
         muon) echo 120 ;;
