@@ -55,6 +55,7 @@ class ExpertParallel:
         self.size, self.index = size, mesh["ep"].get_local_rank()
         self.group = mesh["ep"].get_group()
         self.replica_group = mesh["ep_replica"].get_group() if world > size else None
+        self.replicas, self.replica_rank = world // size, mesh["ep_replica"].get_local_rank()
         self.world_size = world
         self.params: list[nn.Parameter] = []
 

@@ -19,8 +19,8 @@ comm``, defaults otherwise): DDP's and ZeRO-1's gradient bucket size (``bucket_c
 start-up line).
 
 Under expert parallelism (``train.expert_parallel``, ddp and zero1: ``zaya.distributed.expert_parallel``) each rank
-holds a slice of the experts: DDP leaves those shards out, ZeRO-1 lets each rank own its own, and
-``finish_gradients`` reduces them over the ranks that hold the same slice.
+holds a slice of the experts: DDP leaves those shards out, ZeRO-1 splits their ownership over the ranks that hold
+the same slice (their replica group), and ``finish_gradients`` reduces them over that group.
 
 A single process (no process group) gets the bare model whichever mode is configured.
 """
@@ -59,6 +59,8 @@ class Parallel:
     experts: Any = None
     """The ``ExpertParallel`` layout under ``train.expert_parallel`` > 1 (its expert shards are outside DDP), else
     None."""
+    expert_owner: dict[int, int] = field(default_factory=dict)
+    """zero1 with expert parallelism: id(expert shard) -> owning rank of its replica group."""
 
     def describe(self) -> str:
         """The collective settings and where they came from, for the start-up log ("" in a single process)."""
@@ -87,7 +89,12 @@ class Parallel:
         subset and, under expert parallelism, its expert shards)."""
         if self.mode != "zero1" or not self.runtime.distributed:
             return params
-        return [(n, p) for n, p in params if self.owner.get(id(p), self.runtime.grad_rank) == self.runtime.grad_rank]
+        return [(n, p) for n, p in params if self._owns(p)]
+
+    def _owns(self, p: nn.Parameter) -> bool:
+        if id(p) in self.expert_owner:
+            return self.expert_owner[id(p)] == self.experts.replica_rank
+        return self.owner.get(id(p), self.runtime.grad_rank) == self.runtime.grad_rank  # a shard nobody shares
 
     def finish_gradients(self) -> None:
         """After the last micro-batch's backward: the expert shards' gradient reduction (expert parallelism)."""
@@ -111,22 +118,31 @@ class Parallel:
             yield
 
     def after_step(self) -> None:
-        """zero1: every owner broadcasts the parameters it updated (coalesced, one collective per owner)."""
+        """zero1: every owner broadcasts the parameters it updated (coalesced, one collective per owner); expert
+        shards within their replica group."""
         if self.mode != "zero1" or not self.runtime.distributed:
             return
-        group = self.runtime.grad_group
-        by_owner: dict[int, list[torch.Tensor]] = {}
-        for p in self.model.parameters():
-            if p.requires_grad and id(p) in self.owner:  # expert shards are their own rank's
-                by_owner.setdefault(self.owner[id(p)], []).append(p.data)
-        for rank in sorted(by_owner):
-            tensors = by_owner[rank]
-            flat = torch._utils._flatten_dense_tensors(tensors)
-            src = dist.get_global_rank(group, rank) if group is not None else rank
-            dist.broadcast(flat, src=src, group=group)
-            if rank != self.runtime.grad_rank:
-                for dst, src_tensor in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-                    dst.copy_(src_tensor)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        broadcast_owned([p for p in params if id(p) in self.owner], self.owner, self.runtime.grad_group,
+                        self.runtime.grad_rank)
+        if self.expert_owner:
+            broadcast_owned(self.experts.params, self.expert_owner, self.experts.replica_group,
+                            self.experts.replica_rank)
+
+
+def broadcast_owned(params: list[nn.Parameter], owner: dict[int, int], group: Any, rank: int) -> None:
+    """Each parameter from its owner (a rank of ``group``; this rank is ``rank``) to the group's other ranks."""
+    by_owner: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        by_owner.setdefault(owner[id(p)], []).append(p.data)
+    for src_rank in sorted(by_owner):
+        tensors = by_owner[src_rank]
+        flat = torch._utils._flatten_dense_tensors(tensors)
+        src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
+        dist.broadcast(flat, src=src, group=group)
+        if src_rank != rank:
+            for dst, src_tensor in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+                dst.copy_(src_tensor)
 
 
 def assign_owners(params: list[nn.Parameter], world_size: int) -> dict[int, int]:
@@ -170,8 +186,12 @@ def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32", 
         shards = {id(p) for p in experts.params} if experts is not None else set()
         params = [p for p in model.parameters() if p.requires_grad and id(p) not in shards]
         owner = assign_owners(params, runtime.grad_size) if mode == "zero1" else {}
+        expert_owner = {}
+        if mode == "zero1" and experts is not None and experts.replica_group is not None:
+            expert_owner = assign_owners(experts.params, experts.replicas)  # the same on every rank of an ep group
         return Parallel(mode, wrapped, model, runtime, owner,
-                        settings={"bucket_cap_mb": float(profile.ddp_bucket_mb), "source": source}, experts=experts)
+                        settings={"bucket_cap_mb": float(profile.ddp_bucket_mb), "source": source}, experts=experts,
+                        expert_owner=expert_owner)
     from torch.distributed.fsdp import fully_shard
 
     policy = mixed_precision(dtype)

@@ -124,9 +124,9 @@ def build_optimizers_for(config: Config, parallel: Parallel) -> list[torch.optim
     owned = ParamSplit(parallel.owned(split.muon), parallel.owned(split.adamw_decay),
                        parallel.owned(split.adamw_no_decay))
     ep = parallel.experts
-    if ep is not None:  # the expert shards' Muon splits its work over their replicas only
+    if ep is not None:  # the expert shards' Muon: under ddp its work split over their replicas only
         shards = {id(p) for p in ep.params}
         owned.muon_shards = [(n, p) for n, p in owned.muon if id(p) in shards]
         owned.muon = [(n, p) for n, p in owned.muon if id(p) not in shards]
     return build_optimizers(owned, config.optim, replica_group=parallel.replica_group,
-                            shard_group=None if ep is None else ep.replica_group)
+                            shard_group=ep.replica_group if ep is not None and parallel.mode == "ddp" else None)
