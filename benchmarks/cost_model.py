@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from zaya.config import ModelConfig, OptimConfig, load_config
 from zaya.core.hardware import GPU_LOSS_CHUNK_ELEMENTS
 from zaya.tune.cost import DEVICES, measure_cpu, mfu, predict
-from zaya.tune.kernel_trace import KernelRecorder, _profile, gpu_plans, trace_step
+from zaya.tune.kernel_trace import KernelRecorder, gpu_plans, planned_as, trace_step
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_CHUNK = 1 << 19  # the loss chunk of every device when the H200 run was made (before 8ce9c51)
@@ -81,7 +81,7 @@ def _moe_block_kernels(cfg: ModelConfig, tokens: int):
 def _muon_kernels(method: str, shapes, device_plans):
     from zaya.optim import Muon
 
-    with _profile(device_plans), FakeTensorMode():
+    with planned_as(device_plans), FakeTensorMode():
         params = [torch.nn.Parameter(torch.empty(s)) for s in shapes]
         for p in params:
             p.grad = torch.empty(p.shape)

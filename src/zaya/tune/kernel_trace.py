@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import tempfile
@@ -203,7 +202,7 @@ class KernelRecorder(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _profile(profile: HardwareProfile) -> Iterator[None]:
+def planned_as(profile: HardwareProfile) -> Iterator[None]:
     """Trace under ``profile``'s plans (the loss's chunk, Newton-Schulz's blocks and stacking): the target device's,
     not this CPU's. A temporary profile file named by $ZAYA_HARDWARE_PROFILE for the duration."""
     from zaya.core.hardware import clear_cache
@@ -236,12 +235,11 @@ def trace_step(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str = "bflo
     """The kernels of one training step of ``batch`` x ``seq_len`` tokens through ``cfg``: forward with labels
     under autocast (``dtype``), backward, gradient clipping, Muon (Newton-Schulz in ``dtype``) + AdamW, zero_grad.
     ``plans``: the target device's plans (default: this machine's profile)."""
-    from zaya.model import ZayaForCausalLM  # noqa: F401
     from zaya.optim.build import build_optimizers, split_parameters
     from zaya.tune.activation_trace import fake_model
 
     compute = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    with (_profile(plans) if plans is not None else contextlib.nullcontext()), \
+    with (planned_as(plans) if plans is not None else contextlib.nullcontext()), \
             fake_model(cfg, batch * seq_len, dtype=dtype, max_loss_chunks=None) as model:
         ocfg = dataclasses.replace(OptimConfig(), muon_ns_dtype=dtype, muon_ns_method=ns_method)
         split = split_parameters(model, ocfg.muon)
@@ -265,8 +263,3 @@ def trace_step(cfg: ModelConfig, batch: int, seq_len: int, *, dtype: str = "bflo
                 model.zero_grad(set_to_none=True)
         return rec.kernels
 
-
-def kernels_json(kernels: list[Kernel]) -> str:
-    """The kernels as JSON lines (op, kind, FLOPs, bytes, dtype, part, phase), for inspection."""
-    keys = ("op", "kind", "flops", "bytes", "dtype", "part", "phase")
-    return "".join(json.dumps({k: getattr(x, k) for k in keys}) + "\n" for x in kernels)
