@@ -1,11 +1,12 @@
-"""Residual scaling joined to the RMSNorm that follows it, fused into one Triton kernel each way on a GPU.
+"""Residual scaling and RMSNorm in fused Triton kernels on a GPU, the modules' torch functions elsewhere.
 
 Inside a block the attention's output joins the residual stream through ``attn_residual`` and the result goes
 straight into ``moe_norm``: in eager torch that is about ten kernels each way, every one re-reading the activation.
-``residual_norm`` computes both in one pass over the rows (``zaya.model.fused_norm_triton``) where that helps: a
-CUDA or ROCm tensor, triton importable, not while torch.compile traces (inductor fuses the same ops itself) and rows
-no wider than ``fused_norm_triton.MAX_COLS``. Elsewhere it runs the torch path, the modules' own functions. Set
-``ENABLED = False`` to force the torch path everywhere.
+``residual_norm`` computes both in one pass over the rows (``zaya.model.fused_norm_triton``); ``join_residual``
+(the MoE output's join) and ``rms_norm`` (a block's attention norm, the final norm) are the two halves alone, one
+kernel each way instead of five to eight. The kernels are taken where they help: a CUDA or ROCm tensor, triton
+importable, not while torch.compile traces (inductor fuses the same ops itself) and rows no wider than
+``fused_norm_triton.MAX_COLS``. Set ``ENABLED = False`` to force the torch path everywhere.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _kernels() -> ModuleType | None:
 
 def uses_triton(x: torch.Tensor) -> bool:
     """Whether ``residual_norm`` takes the Triton kernels for a branch ``x``."""
-    if not ENABLED or x.device.type != "cuda" or torch.compiler.is_compiling():
+    if not ENABLED or x.device.type != "cuda" or torch.compiler.is_compiling() or x.numel() == 0:
         return False
     kernels = _kernels()
     return kernels is not None and x.shape[-1] <= kernels.MAX_COLS
@@ -49,3 +50,20 @@ def residual_norm(scale: ResidualScale, branch: torch.Tensor, residual: torch.Te
             norm.weight, norm.eps, residual_dtype)
     res = scale(branch, residual).to(residual_dtype)
     return res, norm(res.to(norm.weight.dtype))
+
+
+def join_residual(scale: ResidualScale, branch: torch.Tensor, residual: torch.Tensor,
+                  residual_dtype: torch.dtype) -> torch.Tensor:
+    """``scale(branch, residual)`` cast to ``residual_dtype``: fused on a GPU, the torch path elsewhere."""
+    if uses_triton(branch):
+        return _kernels().ResidualFunction.apply(branch, residual, scale.branch_bias, scale.branch_scale,
+                                                 scale.residual_bias, scale.residual_scale, residual_dtype)
+    return scale(branch, residual).to(residual_dtype)
+
+
+def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` for ``x`` in the norm's dtype (as the model passes it): fused on a GPU, the torch path
+    elsewhere."""
+    if x.dtype == norm.weight.dtype and uses_triton(x):
+        return _kernels().NormFunction.apply(x, norm.weight, norm.eps)
+    return norm(x)

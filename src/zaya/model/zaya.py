@@ -12,7 +12,7 @@ from torch import nn
 
 from zaya.config import ModelConfig
 from zaya.model.attention import Attention, AttentionCache
-from zaya.model.fused_norm import residual_norm
+from zaya.model.fused_norm import join_residual, residual_norm, rms_norm
 from zaya.model.layers import InputAffine, ResidualScale, RMSNorm, RotaryEmbedding
 from zaya.model.loss import cross_entropy
 from zaya.model.moe import MoEBlock
@@ -71,11 +71,11 @@ class Block(nn.Module):
                 token_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, cache: AttentionCache | None,
                 cache_start: int, documents: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        h = self.attn_norm(x.to(self.attn_norm.weight.dtype))
+        h = rms_norm(self.attn_norm, x.to(self.attn_norm.weight.dtype))
         a = self.attention(h, cos, sin, token_mask, attn_mask, cache, cache_start, documents)
         x, h = residual_norm(self.attn_residual, a, x, self.moe_norm, self._residual_dtype())
         m, latent, counts, aux = self.moe(h, prev_latent, token_mask)
-        x = self._join(self.moe_residual(m, x))
+        x = join_residual(self.moe_residual, m, x, self._residual_dtype())
         if latent is not None and (torch.compiler.is_compiling() or latent._is_view()):
             # A block's outputs cross FSDP2 unit boundaries, and FSDP2 warns about (and can lose the backward hook
             # of) an output that is a view; the first layer's latent is the down projection's reshaped output.
@@ -209,7 +209,7 @@ class ZayaForCausalLM(nn.Module):
 
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
-        h = self.final_norm(x.to(self.final_norm.weight.dtype))
+        h = rms_norm(self.final_norm, x.to(self.final_norm.weight.dtype))
         logits = F.linear(h, self.head_weight())
         loss = None
         if labels is not None:
