@@ -229,6 +229,17 @@ def test_the_dispatcher_gives_the_whole_experts_outputs_and_gradients(routes):
             torch.testing.assert_close(torch.zeros_like(want) if got is None else got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # 4 processes on 2 cores
+def test_expert_parallelism_with_context_parallelism(tmp_path, shakespeare_dataset):
+    """4 ranks as dp 2 x cp 2, the experts split over pairs of ranks: the losses and norms of ep = 1."""
+    base = _run(shakespeare_dataset, tmp_path / "base", 4, 3, 1, "zero1", "zaya+skip", train={"context_parallel": 2})
+    sharded = _run(shakespeare_dataset, tmp_path / "ep", 4, 3, 2, "zero1", "zaya+skip",
+                   train={"context_parallel": 2})
+    for key in ("loss", "grad_norm"):
+        assert _close(losses(tmp_path / "ep", key), losses(tmp_path / "base", key)), key
+    assert sharded[0]["weights"] * 2 == base[0]["weights"]
+
+
 @pytest.mark.slow  # 4 processes on 2 cores; degree 2 to 1 is covered by the test above
 def test_a_checkpoint_saved_at_degree_4_resumes_at_2_and_at_1(tmp_path, shakespeare_dataset):
     """Steps 1-2 on 4 ranks at ep = 4, then step 3 on 2 ranks at ep = 2 and, from a copy, at ep = 1: the losses of
