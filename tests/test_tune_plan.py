@@ -170,6 +170,28 @@ def test_communication_is_hierarchical_across_nodes():
     assert plan.comm_bytes_per_step(sizes, "ddp", 1, 2, True, gpus_per_node=8) == {}
 
 
+def test_expert_parallelism_splits_the_experts_and_sends_the_tokens():
+    """ep = 2: a rank holds half the experts' weights, gradients and (ddp) Muon state; the plan counts the
+    all-to-all: four exchanges per MoE layer of the (ep - 1) / ep of the routed rows that leave the rank."""
+    sizes = plan.model_sizes(_small(), 4)
+    assert 0 < sizes.experts < sizes.muon
+    whole, split = plan.persistent_bytes(sizes, "ddp", 4), plan.persistent_bytes(sizes, "ddp", 4, ep=2)
+    half = 4 * (sizes.experts // 2)
+    for part in ("weights", "gradients", "optimizer"):
+        assert whole[part] - split[part] == half, part
+    config = _small("train.expert_parallel=2")
+    mc = config.model
+    assert plan.all_to_all_bytes_per_step(config, 1000, 2, 2) == 4 * mc.num_layers * 1000 * mc.top_k * 64 * 2 / 2
+    assert plan.all_to_all_bytes_per_step(config, 1000, 1, 2) == 0
+    hw = plan.Hardware(gpus=4, gpu_memory_gib=80, tflops=900, net_gbps=400)
+    stage = plan.plan(config, hw, modes=("ddp",), ac_options=(False,))["stages"][0]
+    assert stage["memory"][0]["ep"] == 2 and stage["memory"][0]["weights"] == split["weights"]
+    assert stage["communication"]["ddp"]["all_to_all_tokens"] == plan.all_to_all_bytes_per_step(
+        config, stage["global_batch_tokens"] / 4, 2, 2)
+    with pytest.raises(ConfigError, match="not a multiple of train.expert_parallel = 2"):
+        plan.plan(config, dataclasses.replace(hw, gpus=3), modes=("ddp",), ac_options=(False,))
+
+
 def test_mfu_from_metrics(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps({"step": i, "mfu": v}) for i, v in enumerate([0.9, 0.3, 0.4, 0.5]))

@@ -23,6 +23,10 @@ and for each parallel mode (ddp, zero1, fsdp), with and without activation check
   MFU is assumed (``--mfu``) or the median ``mfu`` of a run's metrics.jsonl (``--mfu runs/x/metrics.jsonl``).
 * **Communication per step**: bytes each GPU sends for the mode's collectives, and their time at ``--net-gbps``
   (against the step's compute time: overlapped, they must stay below it).
+* **Expert parallelism** (the config's ``train.expert_parallel``, ddp and zero1 rows): a GPU holds 1/ep of the
+  experts' weights and gradients (and of their Muon state under ddp), and sends the all-to-all's tokens
+  (``all_to_all_bytes_per_step``; counted with the mode's NIC bytes unless the ep group sits inside a node of a
+  multi-node job, where it crosses the node's fabric instead; not overlapped with compute in zaya).
 * **Checkpoints and data**: checkpoint size (weights and optimizer state) and its write time at ``--storage-gbps``;
   the read bandwidth the data loader needs at the planned tokens/s (2 bytes per token for vocabularies up to 65,536,
   else 4).
@@ -75,6 +79,8 @@ class Sizes:
     """Under ZeRO-1 over the planned ranks: elements of the rank owning the most."""
     owned_muon: int
     owned_adamw: int
+    experts: int = 0
+    """Elements of the stacked expert weights (what expert parallelism splits)."""
 
 
 @functools.lru_cache(maxsize=32)
@@ -111,7 +117,8 @@ def _model_sizes(model_key: str, ranks: int) -> Sizes:
                  largest_matrix=max((m * n for m, n in shapes), default=0), largest_stack=stack, block=block,
                  root=total - cfg.num_layers * block,
                  buffers_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-                 owned_max=max(sum(x) for x in load), owned_muon=load[heaviest][0], owned_adamw=load[heaviest][1])
+                 owned_max=max(sum(x) for x in load), owned_muon=load[heaviest][0], owned_adamw=load[heaviest][1],
+                 experts=parameter_count([p for p in muon if p.ndim == 3]))
 
 
 def model_sizes(config: Config, ranks: int) -> Sizes:
@@ -129,23 +136,26 @@ def _activations(model_key: str, seq_len: int, dtype: str, ac: bool, param_dtype
                             activation_checkpointing=ac, param_dtype=param_dtype)
 
 
-def persistent_bytes(sizes: Sizes, mode: str, ranks: int) -> dict[str, int]:
-    """Bytes per GPU between steps: master weights, gradients, optimizer state, buffers."""
+def persistent_bytes(sizes: Sizes, mode: str, ranks: int, ep: int = 1) -> dict[str, int]:
+    """Bytes per GPU between steps: master weights, gradients, optimizer state, buffers. ``ep``: the expert-parallel
+    degree (ddp and zero1): a rank holds 1/ep of the experts' weights and gradients, and under ddp of their Muon
+    state (ZeRO-1's owners already split the state over every rank)."""
     if mode == "fsdp":
         shard = lambda n: math.ceil(n / ranks)  # noqa: E731
         # The sharded gradients are dropped after each step (zero_grad(set_to_none)) and made again in the backward.
         return {"weights": 4 * shard(sizes.total), "gradients": 0,
                 "optimizer": 4 * shard(sizes.muon) + 8 * shard(sizes.adamw), "buffers": sizes.buffers_bytes}
-    optimizer = 4 * sizes.muon + 8 * sizes.adamw
+    away = sizes.experts - sizes.experts // ep  # expert elements held by the other ranks of the ep group
+    optimizer = 4 * (sizes.muon - away) + 8 * sizes.adamw
     if mode == "zero1":
         optimizer = 4 * sizes.owned_muon + 8 * sizes.owned_adamw
-    return {"weights": 4 * sizes.total, "gradients": 4 * sizes.total, "optimizer": optimizer,
+    return {"weights": 4 * (sizes.total - away), "gradients": 4 * (sizes.total - away), "optimizer": optimizer,
             "buffers": sizes.buffers_bytes}
 
 
 def memory_plan(config: Config, *, gpus: int, parallel: str, micro_batch: int, seq_len: int, cp: int = 1,
                 activation_checkpointing: bool = False, reshard_after_forward: bool | None = None,
-                device_type: str = "cuda", budget_bytes: float | None = None) -> dict[str, Any]:
+                device_type: str = "cuda", budget_bytes: float | None = None, ep: int = 1) -> dict[str, Any]:
     """Bytes per GPU for one stage shape (see the module docstring); keys: the parts (``weights``, ``gradients``,
     ``optimizer`` state, ``buffers``, ``activations``), ``persistent``, ``forward_backward``, ``optimizer_step``,
     ``peak``, ``per_sequence`` (the peak's growth per extra sequence) and, given ``budget_bytes``,
@@ -200,7 +210,7 @@ def memory_plan(config: Config, *, gpus: int, parallel: str, micro_batch: int, s
         total = {k: phases[k] + extra[k] for k in phases}
         return {"activations": acts.saved_bytes(layers, tokens), "micro_batch_peak": max(total.values())}
 
-    persistent = persistent_bytes(sizes, parallel if gpus > 1 else "ddp", gpus)
+    persistent = persistent_bytes(sizes, parallel if gpus > 1 else "ddp", gpus, ep if gpus > 1 else 1)
     if single:
         persistent["gradients"] = 0
     fixed = sum(persistent.values())
@@ -223,7 +233,8 @@ def memory_plan(config: Config, *, gpus: int, parallel: str, micro_batch: int, s
         # their owners and back (send and receive buffers, each about a 1/ranks share of the matrices).
         optimizer_work += 4 * math.ceil(sizes.total / gpus) + 2 * 4 * math.ceil(sizes.muon / gpus)
     optimizer = fixed + optimizer_work
-    out: dict[str, Any] = {"parallel": parallel, "gpus": gpus, "dp": dp, "cp": cp, "micro_batch": micro_batch,
+    out: dict[str, Any] = {"parallel": parallel, "gpus": gpus, "dp": dp, "cp": cp, "ep": ep,
+                           "micro_batch": micro_batch,
                            "seq_len": seq_len, "activation_checkpointing": activation_checkpointing, **persistent,
                            "activations": m1["activations"], "persistent": fixed,
                            "forward_backward": forward_backward, "optimizer_step": optimizer,
@@ -337,6 +348,18 @@ def comm_bytes_per_step(sizes: Sizes, mode: str, ranks: int, compute_bytes: int,
             "reduce_scatter_gradients": share * grads}
 
 
+def all_to_all_bytes_per_step(config: Config, tokens_per_gpu: float, ep: int, compute_bytes: int) -> float:
+    """Bytes each GPU sends per step in expert parallelism's all-to-all: every MoE layer sends the (ep - 1) / ep of
+    its routed assignments (tokens x top_k rows of hidden_size) whose experts live elsewhere, and gets their results
+    back, in the forward and again (their gradients) in the backward: four exchanges (activation checkpointing's
+    recomputed forward adds two more, not counted). A group inside one node sends this over the node's fabric, not a
+    NIC."""
+    mc = config.model
+    if ep <= 1:
+        return 0.0
+    return 4 * mc.num_layers * tokens_per_gpu * mc.top_k * mc.hidden_size * compute_bytes * (ep - 1) / ep
+
+
 def checkpoint_bytes(sizes: Sizes) -> dict[str, int]:
     """A training checkpoint: fp32 weights and the optimizer state (the loader, RNG and progress are kilobytes)."""
     return {"weights": 4 * sizes.total, "optimizer": 4 * sizes.muon + 8 * sizes.adamw}
@@ -357,6 +380,10 @@ def plan(config: Config, hw: Hardware, *, modes: tuple[str, ...] = MODES, ac_opt
     if not 0 <= hw.headroom < 1:
         raise ConfigError(f"--headroom {hw.headroom}: must be in [0, 1)")
     tc = config.train
+    ep = tc.expert_parallel
+    if hw.gpus % ep:
+        raise ConfigError(f"--gpus {hw.gpus} is not a multiple of train.expert_parallel = {ep}: plan a multiple of "
+                          f"{ep} GPUs, or pass --set train.expert_parallel=N with N dividing {hw.gpus}")
     reshard = load_profile(torch.device("cpu")).fsdp_reshard_after_forward
     train_dtype = compute_dtype(tc.dtype, "cuda")  # the GPUs planned for
     compute_bytes = 2 if train_dtype == "bfloat16" else 4
@@ -374,7 +401,8 @@ def plan(config: Config, hw: Hardware, *, modes: tuple[str, ...] = MODES, ac_opt
                 for ac in ac_options:
                     m = memory_plan(config, gpus=hw.gpus, parallel=mode, micro_batch=st.micro_batch,
                                     seq_len=st.seq_len, cp=cp, activation_checkpointing=ac,
-                                    reshard_after_forward=reshard, budget_bytes=hw.budget_bytes)
+                                    reshard_after_forward=reshard, budget_bytes=hw.budget_bytes,
+                                    ep=ep if mode != "fsdp" else 1)
                     m["fits"] = m["peak"] <= hw.budget_bytes
                     rows.append(m)
         tokens_per_s = hw.gpus * hw.tflops * 1e12 * hw.mfu / fpt
@@ -385,8 +413,16 @@ def plan(config: Config, hw: Hardware, *, modes: tuple[str, ...] = MODES, ac_opt
         sizes = model_sizes(config, hw.gpus)
         for mode in modes:
             parts = comm_bytes_per_step(sizes, mode, hw.gpus, compute_bytes, reshard, hw.gpus_per_node)
+            tokens = {}
+            if ep > 1 and mode != "fsdp" and hw.gpus > 1:
+                tokens["all_to_all_tokens"] = all_to_all_bytes_per_step(
+                    config, st.global_batch_tokens / hw.gpus, ep, compute_bytes)
+                # An ep group inside a node of a multi-node job sends it over the node's fabric: not a NIC's bytes.
+                tokens["all_to_all_over_nic"] = ep > hw.gpus_per_node or hw.gpus <= hw.gpus_per_node
+                if tokens["all_to_all_over_nic"]:
+                    parts["all_to_all_tokens"] = tokens["all_to_all_tokens"]
             total = sum(parts.values())
-            comm[mode] = {"bytes_per_gpu": total, **{k: v for k, v in parts.items()},
+            comm[mode] = {"bytes_per_gpu": total, **{k: v for k, v in parts.items()}, **tokens,
                           "seconds": total / bits(hw.net_gbps) if hw.net_gbps else None,
                           "share_of_step": total / bits(hw.net_gbps) / step_seconds if hw.net_gbps else None}
         stages.append({"name": st.name, "seq_len": st.seq_len, "micro_batch": st.micro_batch, "cp": st.cp,
@@ -499,7 +535,8 @@ def report(result: dict[str, Any], config_path: str) -> str:
                   "  memory per GPU, GiB    weights  grads  optim  activ  fwd+bwd  optim-step   peak  fits  "
                   "max micro-batch"]
         for m in st["memory"]:
-            label = f"{m['parallel']:5s} cp{m['cp']} ac {'on ' if m['activation_checkpointing'] else 'off'}"
+            ep = f" ep{m['ep']}" if m.get("ep", 1) > 1 else ""
+            label = f"{m['parallel']:5s} cp{m['cp']}{ep} ac {'on ' if m['activation_checkpointing'] else 'off'}"
             lines.append(f"  {label:20s} {_gib(m['weights']):>8s} {_gib(m['gradients']):>6s} "
                          f"{_gib(m['optimizer']):>6s} {_gib(m['activations']):>6s} {_gib(m['forward_backward']):>8s} "
                          f"{_gib(m['optimizer_step']):>11s} {_gib(m['peak']):>6s}  "
@@ -514,6 +551,9 @@ def report(result: dict[str, Any], config_path: str) -> str:
                             f"{c['share_of_step']:.0%} of the step)")
             else:
                 comm.append(f"{mode} {c['bytes_per_gpu'] / 1e9:.1f} GB")
+            if "all_to_all_tokens" in c:
+                where = "included" if c["all_to_all_over_nic"] else "over the node's fabric, not included"
+                comm[-1] += f" (expert all-to-all {c['all_to_all_tokens'] / 1e9:.1f} GB, {where})"
         if comm:
             lines.append("  sent per GPU per step: " + "; ".join(comm))
     ck, data = result["checkpoint"], result["data"]
