@@ -254,3 +254,38 @@ def test_a_checkpoint_saved_at_degree_4_resumes_at_2_and_at_1(tmp_path, shakespe
     for run, ep in (("at2", 2), ("at1", 1)):
         _run(shakespeare_dataset, tmp_path / run, 2, 3, ep, "zero1", "zaya+skip", train=dict(batch))
         assert _close(losses(tmp_path / run), want), (run, losses(tmp_path / run), want)
+
+
+def _strict_step(rank: int, world: int, dataset: str, root: str) -> dict:
+    from zaya.distributed.checks import ExplicitDevices, HostReads
+    from zaya.distributed.runtime import start
+    from zaya.train.trainer import Trainer
+
+    rt = start(timeout_s=60, startup_timeout_s=60)
+    assert rt.strict, "ZAYA_STRICT_DEVICES=1 was not picked up"
+    config = micro(dataset, root, 3, train={"expert_parallel": 2, "parallel": "zero1", "global_batch_tokens": 512},
+                   model=ROUTERS["zaya+skip"])
+    with ExplicitDevices():
+        trainer = Trainer.build(config, rt, resume="never")
+        try:
+            trainer.step()  # the first step also creates the optimizers' state
+            with HostReads() as reads:
+                record = trainer.step()
+            trainer.save("periodic")
+            trainer.store.wait()
+        finally:
+            trainer.close()
+    ours = sum(n for (what, where), n in reads.events.items() if "expert_parallel" in where)
+    return {"reads": reads.total, "expert_reads": ours, "report": reads.report(),
+            "accumulation": record["accumulation"], "layers": config.model.num_layers}
+
+
+def test_a_step_under_expert_parallelism_reads_the_host_once_per_layer_and_forward(tmp_path, shakespeare_dataset):
+    """Strict devices (no tensor of zaya's without a device) and the host reads of a step: the budget's, plus one
+    per MoE layer and micro-batch forward (the all-to-all's split sizes), nothing else."""
+    from zaya.train.step import HOST_READS_PER_STEP
+
+    for v in run_ok(_strict_step, 2, str(shakespeare_dataset), str(tmp_path), env={"ZAYA_STRICT_DEVICES": "1"}):
+        assert v["accumulation"] == 2
+        assert v["expert_reads"] == v["layers"] * v["accumulation"], v["report"]
+        assert v["reads"] - v["expert_reads"] <= HOST_READS_PER_STEP, v["report"]

@@ -21,7 +21,8 @@ HOST_READS_PER_STEP = 2
 """The host reads (device-to-host waits) a training step may do, whatever its accumulation and parallel mode: the
 step's one read of its reduced scalars, and Muon's one read of its Newton-Schulz drift checks (only in a step where
 some matrix takes the Gram-space path: ``zaya.optim.muon``). tests/test_trainer.py and tests/test_cluster.py hold
-the trainer to it."""
+the trainer to it. Expert parallelism adds one per MoE layer and forward (the all-to-all's split sizes:
+``zaya.distributed.expert_parallel``)."""
 
 
 @dataclass
