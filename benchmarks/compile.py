@@ -149,7 +149,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.environ[CACHE_ENV] = args.cache_dir or tempfile.mkdtemp(prefix="zaya-inductor-")
     print(json.dumps({"machine": cpu_model_name(), "threads": args.threads, "torch": torch.__version__,
-                      "inductor_cache": os.environ[compile_module.CACHE_ENV]}), flush=True)
+                      "inductor_cache": os.environ[CACHE_ENV]}), flush=True)
     speedups = {}
     for shape in args.shapes.split(","):
         for dtype in args.dtypes.split(","):

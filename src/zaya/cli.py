@@ -336,9 +336,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from zaya.serve.limits import ServeLimits, context_length
     from zaya.serve.server import serve
 
-    if args.slots < 1 or args.prefill_chunk < 1 or args.speculative_tokens < 1 or args.block_size < 1:
-        raise errors.ConfigError("--max-num-seqs, --prefill-chunk, --speculative-tokens and --block-size must be "
-                                 ">= 1")
+    for flag, value in (("--max-num-seqs", args.slots), ("--prefill-chunk", args.prefill_chunk),
+                        ("--speculative-tokens", args.speculative_tokens), ("--block-size", args.block_size)):
+        if value < 1:
+            raise errors.ConfigError(f"{flag} must be >= 1, not {value}")
     kv_memory = None if args.kv_cache_memory in (None, "auto") else parse_size(args.kv_cache_memory,
                                                                                 "--kv-cache-memory")
     if args.speculative_ngram < 0:
