@@ -9,8 +9,10 @@ code path at tiny sizes on the CPU (what needs a GPU, such as the sync debug mod
 suite can be tested on a machine without one. ``--quick`` shrinks every check on a GPU (a first smoke run).
 
 The checks live here (the ones that launch ``zaya train``, torchrun and the other benchmark scripts, and the
-in-process host-sync count), in ``gpu_model_step.py`` (the full model's training step) and in ``gpu_kernels.py``
-(flash attention, grouped_mm against the loop, Muon's Newton-Schulz methods, the fused Triton kernels).
+in-process host-sync count), in ``gpu_model_step.py`` (the full model's training step, eager and compiled),
+``gpu_decode.py`` (the serving engine's decode) and ``gpu_kernels.py`` (flash attention, grouped_mm against the
+loop, Muon's Newton-Schulz methods, the fused Triton kernels); ``gpu_predict.py`` sets the cost model's prediction
+beside the step, MoE-block and Muon figures.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from typing import Any, Callable
 
 from gpu_common import (ROOT, CheckTimeout, Ctx, clean, cpu_bf16_gflops, error_text, install_sigterm, json_lines,
                         median, read_jsonl, rnd, run_command, say, tail)
+from gpu_predict import add_moe_block_prediction
 
 CHECKS = ("train_small", "parallel_modes", "host_syncs", "flash_attention", "grouped_mm_vs_loop", "moe_block",
-          "model_step", "muon", "fused_norm")
+          "model_step", "model_step_deep", "muon", "fused_norm", "decode")
 
 # Leave this much of a check's budget for reading results and printing the JSON line after a subprocess.
 MARGIN_S = 15.0
@@ -290,6 +293,9 @@ def check_moe_block(ctx: Ctx, r: dict[str, Any]) -> None:
     for key in ("speedup", "ours_ms", "fraction_of_peak", "speedup_vs_hf_gmm", "max_expert_load"):
         if results and key in results[-1]:
             r[key] = results[-1][key]
+    if results and "ours_ms" in results[-1]:
+        add_moe_block_prediction(ctx, r, results[-1].get("shape", args[args.index("--shapes") + 1]),
+                                 results[-1].get("tokens", 4096), results[-1]["ours_ms"])
     r["ok"] = res["rc"] == 0 and bool(results)
     if not r["ok"]:
         r["error"] = f"exit code {res['rc']}: {tail(res['stderr'] or res['stdout'], 800)}"
@@ -297,11 +303,24 @@ def check_moe_block(ctx: Ctx, r: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------------------ dispatch
 def _load(name: str) -> Callable[[Ctx, dict[str, Any]], None]:
-    if name == "model_step":
-        from gpu_model_step import check_model_step
+    if name in ("model_step", "model_step_deep"):
+        import gpu_model_step
 
-        return check_model_step
-    if name in ("flash_attention", "grouped_mm_vs_loop", "muon", "fused_norm"):
+        return getattr(gpu_model_step, f"check_{name}")
+    if name == "decode":
+        from gpu_decode import check_decode
+
+        return check_decode
+    if name == "muon":
+        import gpu_kernels
+        from gpu_predict import add_muon_prediction
+
+        def check_muon(ctx: Ctx, r: dict[str, Any]) -> None:
+            gpu_kernels.check_muon(ctx, r)
+            add_muon_prediction(ctx, r)
+
+        return check_muon
+    if name in ("flash_attention", "grouped_mm_vs_loop", "fused_norm"):
         import gpu_kernels
 
         return getattr(gpu_kernels, f"check_{name}")

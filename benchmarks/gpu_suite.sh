@@ -18,7 +18,10 @@ set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 
-ALL=(flash_attention grouped_mm_vs_loop fused_norm host_syncs model_step muon moe_block parallel_modes train_small)
+# Most valuable first (the budget skips what no longer fits): the step eager and compiled, the deep model's MFU, the
+# trainer training, the kernels against their torch paths, decode; then what an earlier run already measured.
+ALL=(model_step model_step_deep train_small fused_norm decode muon moe_block host_syncs flash_attention
+     grouped_mm_vs_loop parallel_modes)
 PY="${PY:-$ROOT/.venv/bin/python}"
 QUICK="${QUICK:-0}"
 DEVICE="${DEVICE:-cuda}"
@@ -86,7 +89,9 @@ limit_for() {
         grouped_mm_vs_loop) echo 90 ;;
         fused_norm) echo 60 ;;
         host_syncs) echo 120 ;;
-        model_step) echo 150 ;;
+        model_step) echo 180 ;;
+        model_step_deep) echo 200 ;;
+        decode) echo 150 ;;
         muon) echo 120 ;;
         moe_block) echo 150 ;;
         parallel_modes) echo 200 ;;
