@@ -91,14 +91,28 @@ def zero1_skip_base(shakespeare_dataset, tmp_path_factory):
     return {key: losses(run, key) for key in ("loss", "grad_norm")}
 
 
-def test_zero1_losses_and_memory_with_expert_parallelism_equal_those_without(tmp_path, shakespeare_dataset,
-                                                                             zero1_skip_base):
-    sharded = _run(shakespeare_dataset, tmp_path, 2, 3, 2, "zero1", "zaya+skip")
+def test_zero1_losses_memory_checkpoint_and_export_at_degree_2(tmp_path, shakespeare_dataset, zero1_skip_base):
+    """Steps 1-2 at ep = 2 on 2 ranks: the losses and gradient norms of ep = 1, each rank 1/2 of the expert weights
+    and their state; the step-2 checkpoint exports the whole experts (exactly the ranks' shards, concatenated) and
+    resumes at ep = 1 for step 3 with the loss of the run without ep."""
+    from safetensors.torch import load_file
+
+    from zaya.checkpoint.export import export
+
+    sharded = _run(shakespeare_dataset, tmp_path, 2, 2, 2, "zero1", "zaya+skip")
     for key, want in zero1_skip_base.items():
-        assert _close(losses(tmp_path, key), want), (key, losses(tmp_path, key), want)
+        assert _close(losses(tmp_path, key), want[:2]), (key, losses(tmp_path, key), want)
     for part in sharded:  # no replicas: each rank owns its shards and their state
         assert part["state"] == part["weights"] > 0
     assert sharded[0]["weights"] == sharded[1]["weights"]
+    out = export(tmp_path / "checkpoints" / "step-00000002", tmp_path / "export", format="safetensors")
+    exported = {}
+    for file in out.glob("*.safetensors"):
+        exported.update(load_file(file))
+    for name in sharded[0]["shards"]:
+        assert torch.equal(exported[name], torch.cat([r["shards"][name] for r in sharded])), name
+    _run(shakespeare_dataset, tmp_path, 2, 3, 1, "zero1", "zaya+skip")
+    assert _close(losses(tmp_path), zero1_skip_base["loss"]), (losses(tmp_path), zero1_skip_base)
 
 
 @pytest.mark.parametrize("world,ep,parallel,router,steps,recompute", [
@@ -128,26 +142,6 @@ def test_losses_and_memory_with_expert_parallelism_equal_those_without(tmp_path,
         assert all(part["state"] == part["weights"] for part in sharded)
     else:
         assert sum(part["state"] for part in sharded) == whole and all(part["state"] > 0 for part in sharded)
-
-
-def test_a_checkpoint_saved_at_degree_2_resumes_without_expert_parallelism(tmp_path, shakespeare_dataset,
-                                                                            zero1_skip_base):
-    """Steps 1-2 at ep = 2, then step 3 at ep = 1 (resumed), on 2 ranks: the same losses as 3 steps at ep = 1. The
-    step-2 checkpoint exports the whole experts: exactly the ranks' shards, concatenated."""
-    from safetensors.torch import load_file
-
-    from zaya.checkpoint.export import export
-
-    ranks = _run(shakespeare_dataset, tmp_path, 2, 2, 2, "zero1", "zaya+skip")
-    out = export(tmp_path / "checkpoints" / "step-00000002", tmp_path / "export", format="safetensors")
-    exported = {}
-    for file in out.glob("*.safetensors"):
-        exported.update(load_file(file))
-    for name in ranks[0]["shards"]:
-        whole = torch.cat([r["shards"][name] for r in ranks])
-        assert torch.equal(exported[name], whole), name
-    _run(shakespeare_dataset, tmp_path, 2, 3, 1, "zero1", "zaya+skip")
-    assert _close(losses(tmp_path), zero1_skip_base["loss"]), (losses(tmp_path), zero1_skip_base)
 
 
 def test_zaya_train_with_expert_parallel_2_on_two_gloo_ranks(tmp_path, micro_config):
@@ -240,7 +234,7 @@ def test_expert_parallelism_with_context_parallelism(tmp_path, shakespeare_datas
     assert sharded[0]["weights"] * 2 == base[0]["weights"]
 
 
-@pytest.mark.slow  # 4 processes on 2 cores; degree 2 to 1 is covered by the test above
+@pytest.mark.slow  # 4 processes on 2 cores; degree 2 to 1 is covered by a fast test
 def test_a_checkpoint_saved_at_degree_4_resumes_at_2_and_at_1(tmp_path, shakespeare_dataset):
     """Steps 1-2 on 4 ranks at ep = 4, then step 3 on 2 ranks at ep = 2 and, from a copy, at ep = 1: the losses of
     3 steps on 2 ranks without ep (the same global batch: 2 ranks accumulate 2 micro-batches)."""
