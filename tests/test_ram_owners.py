@@ -125,11 +125,11 @@ def _fail_at_step(monkeypatch, step: int, exc: BaseException) -> None:
 
     calls, real = {"n": 0}, step_module.clip_gradients
 
-    def clip(params, max_norm):
+    def clip(params, max_norm, experts=None):
         calls["n"] += 1
         if calls["n"] == step:
             raise exc
-        return real(params, max_norm)
+        return real(params, max_norm, experts)
 
     monkeypatch.setattr(step_module, "clip_gradients", clip)
 

@@ -174,9 +174,9 @@ def test_non_finite_loss_stops_naming_the_step_and_checkpoint(tmp_path, micro_co
     calls = {"n": 0}
     real = step.clip_gradients
 
-    def clip(params, max_norm):
+    def clip(params, max_norm, experts=None):
         calls["n"] += 1
-        norm = real(params, max_norm)
+        norm = real(params, max_norm, experts)
         return torch.full_like(norm, float("nan")) if calls["n"] == 5 else norm
 
     monkeypatch.setattr(step, "clip_gradients", clip)

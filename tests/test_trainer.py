@@ -107,9 +107,9 @@ def test_a_signal_during_a_steps_collectives_stops_the_run_after_the_next_step(t
     trainer = build(micro_config(), "train.max_steps=6", "train.eval_every=0", "checkpoint.every=0")
     original, calls = step_module.clip_gradients, []
 
-    def clip_then_signal(params, max_norm):
+    def clip_then_signal(params, max_norm, experts=None):
         calls.append(1)
-        norm = original(params, max_norm)
+        norm = original(params, max_norm, experts)
         if len(calls) == 2:  # step 2, after it read the flag, before its all-reduce
             trainer.stop_request._handle(signal.SIGTERM, None)
         return norm
@@ -191,8 +191,8 @@ def test_exit_codes_of_zaya_train(tmp_path, micro_config, monkeypatch, capsys):
     monkeypatch.setattr(trainer_module.Trainer, "step", real_step)
     # A non-finite loss: 4.
     real_clip = step_module.clip_gradients
-    monkeypatch.setattr(step_module, "clip_gradients", lambda params, max_norm: torch.full_like(
-        real_clip(params, max_norm), float("inf")))
+    monkeypatch.setattr(step_module, "clip_gradients", lambda params, max_norm, experts=None: torch.full_like(
+        real_clip(params, max_norm, experts), float("inf")))
     assert main(["train", "--config", str(cfg), "--resume", "never"]) == 4
     assert "non-finite gradient norm at step 1" in capsys.readouterr().err
 

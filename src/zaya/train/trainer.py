@@ -435,6 +435,7 @@ class Trainer:
             self.log(f"warning: {detail}; batch skipped ({p.skipped_in_a_row} in a row)")
             return {"kind": "train", "step": p.step, "skipped": True, "loss": loss, "tokens": p.tokens,
                     "time": time.time()}
+        self.store.wait_quietly()  # a save of an earlier, good step still in flight is the last good checkpoint
         raise NonFiniteLossError(f"{detail}. Last good checkpoint: {self.newest_checkpoint() or 'none'}. Lower "
                                  'optim.lr, or set train.on_nan = "skip" to skip such batches')
 
