@@ -11,6 +11,7 @@ norm in two parts (seen: a few 1e-7 after 20 steps).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from conftest import MICRO_CONFIG
-from dist_helpers import free_port, run_ok
+from dist_helpers import free_port, run_ok, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -283,3 +284,21 @@ def test_a_step_under_expert_parallelism_reads_the_host_once_per_layer_and_forwa
         assert v["accumulation"] == 2
         assert v["expert_reads"] == v["layers"] * v["accumulation"], v["report"]
         assert v["reads"] - v["expert_reads"] <= HOST_READS_PER_STEP, v["report"]
+
+
+def _lost_rank(rank: int, world: int, dataset: str, root: str) -> None:
+    from zaya.distributed.runtime import start
+    from zaya.train.trainer import Trainer
+
+    config = micro(dataset, root, 2, train={"expert_parallel": 2, "timeout_s": 20.0})
+    trainer = Trainer.build(config, start(timeout_s=20, startup_timeout_s=60), resume="never")
+    if rank == 1:
+        os._exit(0)  # gone before the first step's exchanges
+    trainer.step()
+
+
+def test_an_exchange_with_a_lost_rank_is_a_collective_error_naming_the_layer_and_ranks(tmp_path, shakespeare_dataset):
+    results = run_ranks(_lost_rank, 2, str(shakespeare_dataset), str(tmp_path), timeout_s=120)
+    error = results[0].error or ""
+    assert results[0].exit_code == 6, error
+    assert "CollectiveError: the expert all-to-all of blocks.0" in error and "ranks [0, 1]" in error, error

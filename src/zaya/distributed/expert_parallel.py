@@ -1,10 +1,11 @@
 """Expert parallelism: each rank holds num_experts / ep of every MoE layer's experts; tokens travel to them.
 
 **Groups.** ``train.expert_parallel = ep`` folds an expert-parallel dimension into data parallelism, as torchtitan
-and Megatron do: the world's ranks form a mesh ``("ep_replica", "ep")``, ep fastest, so each *ep group* is ep
-consecutive ranks (inside a node where ep divides the ranks per node) and holds all the experts between them, rank
-``i`` of the group experts ``[i * E / ep, (i + 1) * E / ep)``; the ranks with the same index in every group (its
-*replica group*) hold the same experts. Every rank still trains on tokens of its own, as in plain data parallelism.
+and Megatron do: the world's ranks form a grid (replica, ep), ep fastest, so each *ep group* is ep consecutive
+ranks (inside a node where ep divides the ranks per node) and holds all the experts between them, rank ``i`` of the
+group experts ``[i * E / ep, (i + 1) * E / ep)``; the ranks with the same index in every group (its *replica
+group*) hold the same experts. Every rank still trains on tokens of its own, as in plain data parallelism. Both
+kinds of group take ``train.timeout_s`` as their collective timeout.
 
 **Dispatch** (``Dispatch``, installed on every ``Experts`` module as its ``dispatcher``). Per MoE layer: the
 (token, slot) assignments are sorted by class as on one rank (the skip class last: never sent, its output zero),
@@ -14,8 +15,10 @@ host together: ``all_to_all_single`` with variable splits takes Python lists, so
 forward's splits). The rows then go to their experts' ranks with one ``all_to_all_single``, are regrouped by local
 expert (a stable sort: source rank order within an expert), run through ``Experts.run_grouped`` and come back with
 a second ``all_to_all_single``; the autograd versions of both (``torch.distributed._functional_collectives``, as
-torchtitan uses, traceable) send the gradients the opposite way. Dropless: every routed assignment is computed. A rank that sends or receives nothing
-still joins every collective, forward and backward (its outputs depend on the exchanged tensors).
+torchtitan uses, traceable) send the gradients the opposite way. Dropless: every routed assignment is computed. A
+rank that sends or receives nothing still joins every collective, forward and backward (its outputs depend on the
+exchanged tensors). A counts exchange that fails (a rank of the group died, or none answered within the timeout)
+is a ``CollectiveError`` (exit code 6) naming the MoE layer and the group's ranks.
 
 **Gradients.** The expert weights are left out of DDP's all-reduce (``ignored_parameters``); after the last
 micro-batch ``reduce_gradients`` sums each rank's expert gradients over its replica group only and divides by the
@@ -28,13 +31,14 @@ are reduced as before (DDP or ZeRO-1); the routers' balancing counts are the ste
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zaya.core.errors import ConfigError
+from zaya.core.errors import CollectiveError, ConfigError
 from zaya.distributed.runtime import Runtime
 
 
@@ -49,13 +53,16 @@ class ExpertParallel:
             raise ConfigError(f"train.expert_parallel = {size} does not divide the world size {world}: launch a "
                               f"multiple of {size} processes, or pass --set train.expert_parallel=N with N one of "
                               f"{fits}")
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(runtime.device.type, (world // size, size), mesh_dim_names=("ep_replica", "ep"))
-        self.size, self.index = size, mesh["ep"].get_local_rank()
-        self.group = mesh["ep"].get_group()
-        self.replica_group = mesh["ep_replica"].get_group() if world > size else None
-        self.replicas, self.replica_rank = world // size, mesh["ep_replica"].get_local_rank()
+        timeout = datetime.timedelta(seconds=runtime.timeout_s)  # new groups would take torch's default otherwise
+        self.ranks = [r for r in range(world) if r // size == runtime.rank // size]  # this rank's ep group
+        self.group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(g * size, (g + 1) * size)) for g in range(world // size)], timeout=timeout)
+        self.replica_group = None
+        if world > size:
+            self.replica_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(i, world, size)) for i in range(size)], timeout=timeout)
+        self.size, self.index = size, runtime.rank % size
+        self.replicas, self.replica_rank = world // size, runtime.rank // size
         self.world_size = world
         self.params: list[nn.Parameter] = []
 
@@ -67,7 +74,7 @@ class ExpertParallel:
         the meta device nothing is allocated) and install the dispatcher."""
         from zaya.model.moe import Experts
 
-        for module in model.modules():
+        for where, module in model.named_modules():
             if not isinstance(module, Experts):
                 continue
             held = module.num_experts // self.size
@@ -77,7 +84,7 @@ class ExpertParallel:
                 part = nn.Parameter(full.detach()[lo:lo + held].clone(), requires_grad=full.requires_grad)
                 setattr(module, name, part)
                 self.params.append(part)
-            module.dispatcher = Dispatch(self.group, self.size, held)
+            module.dispatcher = Dispatch(self.group, self.size, held, f"{where} (ep group of ranks {self.ranks})")
 
     def consolidated(self, part: Any, model: nn.Module) -> Consolidated:
         """``part`` (a checkpoint part over ``model``) saving and loading the expert shards whole."""
@@ -167,8 +174,8 @@ class Dispatch:
     """An ``Experts`` module's forward over an ep group: send each routed assignment to the rank that holds its
     expert, compute there, send the result back and mix it (see the module docstring)."""
 
-    def __init__(self, group: Any, size: int, held: int) -> None:
-        self.group, self.size, self.held = group, size, held
+    def __init__(self, group: Any, size: int, held: int, where: str) -> None:
+        self.group, self.size, self.held, self.where = group, size, held, where
 
     def __call__(self, experts: nn.Module, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
                  ) -> torch.Tensor:
@@ -181,8 +188,15 @@ class Dispatch:
         counts = counts[:e].contiguous()
         order = torch.argsort(flat, stable=True)
         incoming = torch.empty_like(counts)  # [source rank, held expert]: what each rank sends to this one
-        dist.all_to_all_single(incoming, counts, group=self.group)
-        host = torch.cat((counts, incoming)).tolist()  # the layer's one host read: the splits
+        try:
+            dist.all_to_all_single(incoming, counts, group=self.group)
+            host = torch.cat((counts, incoming)).tolist()  # the layer's one host read: the splits
+        except RuntimeError as exc:
+            raise CollectiveError(
+                f"the expert all-to-all of {self.where} did not complete ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}): a rank of that group died, hung "
+                "or could not be reached within train.timeout_s. Check the other ranks' logs; resume from the newest "
+                "checkpoint once every node is healthy") from exc
         send = [sum(host[r * held:(r + 1) * held]) for r in range(size)]
         recv = [sum(host[e + s * held:e + (s + 1) * held]) for s in range(size)]
         per_expert = [sum(host[e + s * held + j] for s in range(size)) for j in range(held)]
