@@ -3,26 +3,11 @@ figures as JSON lines (a smoke test of the benchmark's whole path; its timings m
 
 from __future__ import annotations
 
-import json
-import runpy
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_helpers import run_benchmark
 
 
 def test_quick_cca_benchmark_reports_every_variant(monkeypatch, capsys):
-    # The script as `python benchmarks/cca_attention.py --quick` runs it, in this process (no second interpreter
-    # importing torch and transformers).
-    monkeypatch.setattr(sys, "argv", ["cca_attention.py", "--quick"])
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first
-    with pytest.raises(SystemExit) as done:
-        runpy.run_path(str(ROOT / "benchmarks/cca_attention.py"), run_name="__main__")
-    out = capsys.readouterr()
-    assert done.value.code in (0, None), out.err[-3000:] + out.out[-2000:]
-    lines = [json.loads(line) for line in out.out.splitlines() if line.startswith("{")]
+    lines = run_benchmark(monkeypatch, capsys, "cca_attention.py", "--quick")
     machine, rows, final = lines[0], lines[1:-1], lines[-1]
     assert machine["machine"] and isinstance(machine["bf16_native"], bool) and machine["bf16_slowdown"] > 0
     variants = [r for r in rows if "variant" in r]

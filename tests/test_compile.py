@@ -126,19 +126,13 @@ def test_compile_is_on_for_gpus_by_default_and_as_configured():
 def test_the_compile_benchmark_reports_both_steps(monkeypatch, capsys):
     """`benchmarks/compile.py` on its micro shape through aot_eager, in this process (its whole path; the timings
     mean nothing here)."""
-    import json
-    import runpy
-    import sys
-    from pathlib import Path
+    from bench_helpers import run_benchmark
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "compile.py"
-    monkeypatch.setattr(sys, "argv", ["compile.py", "--shapes", "micro", "--backend", "aot_eager", "--steps", "2",
-                                      "--warmup", "0", "--threads", "1", "--quiet-below", "1"])
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first
     monkeypatch.setattr(compile_module, "BACKEND", compile_module.BACKEND)  # the script sets it
     monkeypatch.setenv(CACHE_ENV, "")  # the script sets it too
-    runpy.run_path(str(script), run_name="__main__")
-    machine, row, final = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    machine, row, final = run_benchmark(monkeypatch, capsys, "compile.py", "--shapes", "micro", "--backend",
+                                        "aot_eager", "--steps", "2", "--warmup", "0", "--threads", "1",
+                                        "--quiet-below", "1")
     assert machine["machine"] and machine["threads"] == 1
     assert row["shape"] == "micro" and row["dtype"] == "fp32" and row["backend"] == "aot_eager", row
     assert len(row["eager_times_s"]) == len(row["compiled_times_s"]) == 2 and row["speedup"] > 0, row

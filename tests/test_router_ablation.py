@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import runpy
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_helpers import run_benchmark
 
 
 def test_quick_ablation_reports_every_variant(tmp_path, micro_config, monkeypatch, capsys):
-    # The script as `python benchmarks/router_ablation.py` runs it, in this process (no second interpreter
-    # importing torch; runs finishing here draw no plots: tests/conftest.py).
-    monkeypatch.setattr(sys, "argv", ["router_ablation.py", "--quick", "--config",
-                                      str(micro_config(tmp_path / "unused")), "--out", str(tmp_path / "runs")])
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts src/ first
-    runpy.run_path(str(ROOT / "benchmarks/router_ablation.py"), run_name="__main__")
-    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    # runs finishing in a test draw no plots (tests/conftest.py)
+    lines = run_benchmark(monkeypatch, capsys, "router_ablation.py", "--quick", "--config",
+                          str(micro_config(tmp_path / "unused")), "--out", str(tmp_path / "runs"))
     results, summary = lines[:-1], lines[-1]
     assert [r["variant"] for r in results] == ["zaya-adaptive", "zaya-adamw", "linear-bias", "linear-aux"]
     assert summary["summary"] and summary["steps"] == 6

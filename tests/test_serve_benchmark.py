@@ -4,28 +4,11 @@ mean nothing)."""
 
 from __future__ import annotations
 
-import json
-import runpy
-import sys
-from pathlib import Path
-
-import torch
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench_helpers import run_benchmark
 
 
 def test_quick_serve_benchmark_reports_speed_and_floor(monkeypatch, capsys):
-    # The script as `python benchmarks/serve.py --quick --skip-load` runs it from the repository root, in this
-    # process (no second interpreter importing torch and transformers; it sets the one thread the tests use).
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(sys, "argv", ["serve.py", "--quick", "--skip-load"])
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    threads = torch.get_num_threads()
-    try:
-        runpy.run_path(str(ROOT / "benchmarks/serve.py"), run_name="__main__")
-    finally:
-        torch.set_num_threads(threads)
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    rows = run_benchmark(monkeypatch, capsys, "serve.py", "--quick", "--skip-load")
     runs = [r for r in rows if "batch" in r]
     assert [r["batch"] for r in runs] == [1, 8]
     for r in runs:

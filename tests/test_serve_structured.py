@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import random
 import runpy
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench_helpers import run_benchmark
 from serve_helpers import openai_server
+
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -128,16 +129,9 @@ def test_the_compile_cache_is_bounded():
 
 def test_random_schemas_benchmark(monkeypatch, capsys, shakespeare_dataset):
     """``benchmarks/serve_structured.py`` on 5 random schemas (the recorded run has 100): every reply valid."""
-    monkeypatch.setattr(sys, "argv", ["serve_structured.py", "--schemas", "5", "--overhead-schemas", "2",
-                                      "--tokenizer", str(shakespeare_dataset / "tokenizer.json"), "--capacity",
-                                      "768", "--concurrency", "4"])
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    threads = torch.get_num_threads()
-    try:
-        runpy.run_path(str(ROOT / "benchmarks/serve_structured.py"), run_name="__main__")
-    finally:
-        torch.set_num_threads(threads)
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    result = run_benchmark(monkeypatch, capsys, "serve_structured.py", "--schemas", "5", "--overhead-schemas", "2",
+                           "--tokenizer", str(shakespeare_dataset / "tokenizer.json"), "--capacity", "768",
+                           "--concurrency", "4")[-1]
     assert result["valid"] == result["stop"] == 5 and result["failures"] == [], result
     assert result["tokens"] > 0 and result["mask_us_per_token"] > 0
 
