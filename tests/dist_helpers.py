@@ -134,3 +134,24 @@ def run_ok(fn: Callable, world: int = 2, *args: Any, env: dict[str, str] | None 
     for r in results:
         assert r.error is None, f"rank {r.rank}: {r.error}"
     return [r.value for r in results]
+
+
+def strict_step(config, rt):
+    """On one rank under ``ExplicitDevices``: build the trainer, take a step (it creates the optimizers' state), count
+    the host reads of a second, then evaluate and save a checkpoint (waited for); (the second step's record, its
+    ``HostReads``)."""
+    from zaya.distributed.checks import ExplicitDevices, HostReads
+    from zaya.train.trainer import Trainer
+
+    with ExplicitDevices():
+        trainer = Trainer.build(config, rt, resume="never")
+        try:
+            trainer.step()
+            with HostReads() as reads:
+                record = trainer.step()
+            trainer.evaluate()
+            trainer.save("periodic")
+            trainer.store.wait()
+        finally:
+            trainer.close()
+    return record, reads

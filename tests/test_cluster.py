@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MICRO_CONFIG
-from dist_helpers import run_ok, run_ranks
+from dist_helpers import run_ok, run_ranks, strict_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -93,10 +93,8 @@ def test_ranks_that_do_not_share_the_run_dir_or_the_data_fail_at_start_up(tmp_pa
 
 
 def _strict_step(rank: int, world: int, dataset: str, root: str, mode: str) -> dict:
-    from zaya.distributed.checks import ExplicitDevices, HostReads
     from zaya.distributed.runtime import start
     from zaya.train.step import HOST_READS_PER_STEP
-    from zaya.train.trainer import Trainer
 
     parallel, _, cp = mode.partition("+cp")
     cp = int(cp or 1)
@@ -107,17 +105,7 @@ def _strict_step(rank: int, world: int, dataset: str, root: str, mode: str) -> d
                                                           "dtype": "float32", "context_parallel": cp,
                                                           "context_parallel_method": "ring"},
                    checkpoint={"ram_tier": False})
-    with ExplicitDevices():
-        trainer = Trainer.build(config, rt, resume="never")
-        try:
-            trainer.step()  # the first step also creates the optimizers' state
-            with HostReads() as reads:
-                record = trainer.step()
-            trainer.evaluate()
-            trainer.save("periodic")
-            trainer.store.wait()
-        finally:
-            trainer.close()
+    record, reads = strict_step(config, rt)
     return {"reads": reads.total, "report": reads.report(), "budget": HOST_READS_PER_STEP,
             "accumulation": record["accumulation"], "loss": record["loss"],
             "mesh": (rt.mesh.mesh_dim_names, rt.dp_size, rt.cp_size, rt.dp_rank)}

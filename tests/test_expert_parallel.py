@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import MICRO_CONFIG
-from dist_helpers import free_port, run_ok, run_ranks
+from dist_helpers import free_port, run_ok, run_ranks, strict_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -252,24 +252,13 @@ def test_a_checkpoint_saved_at_degree_4_resumes_at_2_and_at_1(tmp_path, shakespe
 
 
 def _strict_step(rank: int, world: int, dataset: str, root: str) -> dict:
-    from zaya.distributed.checks import ExplicitDevices, HostReads
     from zaya.distributed.runtime import start
-    from zaya.train.trainer import Trainer
 
     rt = start(timeout_s=60, startup_timeout_s=60)
     assert rt.strict, "ZAYA_STRICT_DEVICES=1 was not picked up"
     config = micro(dataset, root, 3, train={"expert_parallel": 2, "parallel": "zero1", "global_batch_tokens": 512},
                    model=ROUTERS["zaya+skip"])
-    with ExplicitDevices():
-        trainer = Trainer.build(config, rt, resume="never")
-        try:
-            trainer.step()  # the first step also creates the optimizers' state
-            with HostReads() as reads:
-                record = trainer.step()
-            trainer.save("periodic")
-            trainer.store.wait()
-        finally:
-            trainer.close()
+    record, reads = strict_step(config, rt)  # also evaluates and saves under expert parallelism
     ours = sum(n for (what, where), n in reads.events.items() if "expert_parallel" in where)
     return {"reads": reads.total, "expert_reads": ours, "report": reads.report(),
             "accumulation": record["accumulation"], "layers": config.model.num_layers}
