@@ -1,5 +1,6 @@
-"""The shared multi-process test helpers: ``free_port``, and ``run_ranks``, which runs a function on N gloo ranks
-on 127.0.0.1 and collects what each rank returned or raised (``run_ok`` where every rank must succeed).
+"""The shared multi-process test helpers: ``free_port``, ``run_ranks``, which runs a function on N gloo ranks on
+127.0.0.1 and collects what each rank returned or raised (``run_ok`` where every rank must succeed), and
+``strict_step``, a rank's trainer steps under strict devices with the host reads counted.
 
 Each rank gets the caller's environment and working directory plus what torchrun would give it (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port), so
