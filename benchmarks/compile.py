@@ -1,11 +1,12 @@
 """Compiled against eager training step (``train.compile``): the same model, weights, batches and optimizer, one
-copy with every block compiled the way the trainer compiles it (``zaya.train.compile.CompiledBlocks``), one eager.
+copy with every block and the loss compiled the way the trainer compiles them
+(``zaya.train.compile.CompiledBlocks``), one eager.
 
-One step, for each copy: forward with labels (zaya's chunked cross-entropy, eager in both), backward,
-``clip_grad_norm_(1.0)``, ``torch.optim.AdamW.step()`` (foreach), ``zero_grad()``; in ``--dtype`` (fp32, or bf16
-autocast with fp32 master weights). The learning rate is 1e-5, so that the routing stays as initialised (spread
-over the experts) through the run: at a real rate, top-1 routing of random tokens collapses onto one expert within
-a few steps, which times a degenerate MoE.
+One step, for each copy: forward with labels (zaya's cross-entropy: chunked eager, or compiled with the blocks),
+backward, ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW.step()`` (foreach), ``zero_grad()``; in ``--dtype`` (fp32,
+or bf16 autocast with fp32 master weights). The learning rate is 1e-5, so that the routing stays as initialised
+(spread over the experts) through the run: at a real rate, top-1 routing of random tokens collapses onto one
+expert within a few steps, which times a degenerate MoE.
 
 Timing: the compiled copy's first step (it compiles the training graphs: dynamo, AOTAutograd, inductor's code
 generation and C++ compile) is timed on its own as ``compile_s``, with the inductor cache in a fresh temporary

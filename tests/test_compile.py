@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 from conftest import MICRO_CONFIG
 from zaya.config import load_config
 from zaya.distributed.runtime import Runtime
+from zaya.model import loss as loss_module
 from zaya.train import compile as compile_module
 from zaya.core.compile import CACHE_ENV, compile_wanted
 
@@ -80,9 +81,10 @@ def _compiled_run(tmp_path, dataset, monkeypatch, backend: str):
 def _check_compiled(losses, counter, warmed_frames, eager, rel):
     # Block 0 (no previous router latent) and block 1 (EDA) are two kinds, each traced for training (with
     # gradients, 4 x 32 tokens), validation and the routing probe (no gradients; 4 x 32 and 1 x 32 tokens): six
-    # graphs, compiled during the first step and validation, none after.
+    # graphs; the loss two (training and validation; the probe has no labels): eight, compiled during the first
+    # step and validation, none after.
     assert dict(counters["graph_break"]) == {}, counters["graph_break"]
-    assert warmed_frames == counter.frame_count == 6, counter.frame_count
+    assert warmed_frames == counter.frame_count == 8, counter.frame_count
     assert losses == pytest.approx(eager, rel=rel)
 
 
@@ -100,6 +102,28 @@ def test_inductor_compiled_blocks_train_as_eager(tmp_path, shakespeare_dataset, 
     # Inductor fuses and reorders fp32 reductions (RMSNorm, softmax, the loss-side sums stay eager): ~1e-6
     # relative per step, compounded over three steps.
     _check_compiled(losses, counter, warmed, eager_losses, rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_loss_and_its_gradient_equal_the_chunked_eager_loss(monkeypatch, dtype):
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 16 * 256)  # the eager loss in 4 chunks of 16 rows
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_module.fused_cross_entropy, backend="aot_eager", dynamic=False)
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 32, 256, generator=generator) * 4).to(dtype).requires_grad_()
+    labels = torch.randint(0, 256, (2, 32), generator=generator)
+    labels[:, ::5] = loss_module.IGNORE_INDEX
+    results = []
+    for loss_fn in (loss_module.cross_entropy, compiled):
+        loss = loss_fn(logits, labels)
+        results.append((loss, torch.autograd.grad(loss, logits)[0]))
+    (eager, eager_grad), (fused, fused_grad) = results
+    # Both are fp32 throughout (the loss ~5.6, its gradient ~1e-4 down to ~1e-12 per element), summed in another
+    # order: a few fp32 ulps. bf16 logits: both gradients are the fp32 value rounded once to bf16, so an element
+    # can differ by one bf16 ulp (2^-8 to 2^-7 relative) where the two fp32 values straddle a rounding boundary.
+    assert fused.dtype == eager.dtype == torch.float32 and fused_grad.dtype == dtype
+    torch.testing.assert_close(fused, eager, rtol=1e-6, atol=0)
+    torch.testing.assert_close(fused_grad, eager_grad, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-12)
 
 
 def test_a_failed_compile_warns_once_and_trains_eagerly(tmp_path, shakespeare_dataset, monkeypatch, eager_losses):

@@ -13,6 +13,12 @@ straight into the gradient in the logits' dtype.
 The chunk holds the device's hardware profile's ``loss_chunk_elements`` fp32 values (``zaya.core.hardware``;
 by default 2^19 = 2 MB on a CPU, about the L2 of the development CPU, and 2^28 = 1 GiB on a GPU, where a small
 chunk would make the loop launch-bound), read once per forward and once per backward.
+
+``fused_cross_entropy`` is the same loss as one expression, for ``torch.compile`` (``train.compile`` compiles it
+with the blocks): inductor's kernels do what the chunks do by hand, and with no Python loop. The forward reduces
+each row of the logits (in their own dtype) to its max and log-sum-exp without an fp32 copy, the backward is one
+pass over the logits that writes ``(softmax - onehot) * g / n`` in their dtype, and all the backward keeps is the
+logits, the labels and two fp32 values per row (tests/test_compile.py counts the graphs).
 """
 
 from __future__ import annotations
@@ -81,6 +87,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             ps.mul_(scale[s:e, None])
             out[s:e].copy_(ps)
         return out, None
+
+
+def fused_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``cross_entropy`` as one expression, for a compiler to fuse (eager, it would allocate the fp32 [N, V] copies
+    the chunks avoid)."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(logits.float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -105,6 +105,8 @@ class ZayaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.activation_checkpointing = False
         """Recompute each block's activations in the backward (``train.activation_checkpointing``)."""
+        self.cross_entropy = cross_entropy
+        """The loss of a forward with labels: the chunked eager one, or its compiled form (``zaya.train.compile``)."""
         self.reset_parameters()
 
     # ----------------------------------------------------------------------------------------------- init
@@ -215,7 +217,7 @@ class ZayaForCausalLM(nn.Module):
         if labels is not None:
             if logits_to_keep > 0:
                 labels = labels[:, -logits_to_keep:]
-            loss = cross_entropy(logits, labels)
+            loss = self.cross_entropy(logits, labels)
         aux_loss = self.config.router_aux_loss_coef * torch.stack(aux_losses).sum() if aux_losses else None
         return ZayaOutput(logits=logits, loss=loss, tokens_per_expert=torch.stack(counts), aux_loss=aux_loss,
                           state=state)
