@@ -192,6 +192,82 @@ def test_expert_parallelism_splits_the_experts_and_sends_the_tokens():
         plan.plan(config, dataclasses.replace(hw, gpus=3), modes=("ddp",), ac_options=(False,))
 
 
+# --- the expert-parallel degree ---------------------------------------------------------------------------------------
+HEAVY = ["model.num_experts=8", "model.expert_hidden_size=1024", "train.dtype=float32", "train.parallel=zero1"]
+
+
+@pytest.fixture(scope="module")
+def heavy_plan():
+    """The heavy-expert model's plan on 4 GPUs with room for everything: (config, hardware, its ep rows by degree)."""
+    config = _small(*HEAVY)
+    hw = plan.Hardware(gpus=4, gpu_memory_gib=80, tflops=0.5, net_gbps=400)  # a step of ~0.1 s
+    ep = plan.plan(config, hw, modes=("zero1",), ac_options=(False,))["stages"][0]["expert_parallel"]
+    return config, hw, {r["ep"]: r for r in ep["degrees"]}
+
+
+def _ep_plan(config, hw):
+    return plan.plan(config, hw, modes=("zero1",), ac_options=(False,))["stages"][0]["expert_parallel"]
+
+
+def _memory_between(low: float, high: float) -> float:
+    """GPU memory in GiB whose budget (10 % headroom) lies halfway between two peaks."""
+    return (low + high) / 2 / 0.9 / plan.GIB
+
+
+def test_expert_parallel_degree_smallest_that_fits(heavy_plan):
+    """Experts that fit one GPU: degree 1; ones that do not: the smallest degree whose peak fits; none fits: no
+    degree, and the reason names the largest one's peak."""
+    config, hw, rows = heavy_plan
+    assert sorted(rows) == [1, 2, 4]  # the divisors of 8 experts and 4 GPUs
+    assert rows[1]["peak"] > rows[2]["peak"] > rows[4]["peak"]  # each rank holds fewer experts
+    assert rows[1]["all_to_all_bytes"] == 0 < rows[2]["all_to_all_bytes"] < rows[4]["all_to_all_bytes"]
+    assert _ep_plan(config, hw)["recommended"] == 1
+    tight = dataclasses.replace(hw, gpu_memory_gib=_memory_between(rows[2]["peak"], rows[1]["peak"]))
+    tight = _ep_plan(config, tight)
+    assert tight["recommended"] == 2 and not tight["degrees"][0]["fits"]
+    tighter = dataclasses.replace(hw, gpu_memory_gib=_memory_between(rows[4]["peak"], rows[2]["peak"]))
+    assert _ep_plan(config, tighter)["recommended"] == 4
+    small = _ep_plan(config, dataclasses.replace(hw, gpu_memory_gib=rows[4]["peak"] / 2 / plan.GIB))
+    assert small["recommended"] is None and "no degree dividing 8 experts and 4 GPUs fits" in small["reason"]
+    odd = _ep_plan(config, dataclasses.replace(hw, gpus=3, gpu_memory_gib=_memory_between(rows[2]["peak"],
+                                                                                            rows[1]["peak"])))
+    assert [r["ep"] for r in odd["degrees"]] == [1] and odd["recommended"] is None
+
+
+def test_expert_parallel_share_bound_and_pricing(heavy_plan, tmp_path):
+    """The all-to-all is priced at --net-gbps, or from a profile's measured curve at one exchange's message size;
+    a degree whose all-to-all passes the bound is not recommended."""
+    from zaya.core.hardware import read_profile
+
+    config, hw, rows = heavy_plan
+    hw = dataclasses.replace(hw, gpu_memory_gib=_memory_between(rows[2]["peak"], rows[1]["peak"]))
+    step_s = plan.plan(config, hw, modes=("zero1",), ac_options=(False,))["stages"][0]["step_seconds"]
+    two = _ep_plan(config, hw)["degrees"][1]
+    assert two["all_to_all_seconds"] == pytest.approx(two["all_to_all_bytes"] / (400e9 / 8))
+    assert two["share_of_step"] == pytest.approx(two["all_to_all_seconds"] / step_s)
+    assert "--net-gbps 400" in two["priced_from"]
+    slow = _ep_plan(config, dataclasses.replace(hw, net_gbps=two["all_to_all_bytes"] * 8 / 1e9 / step_s))  # 100 %
+    assert slow["recommended"] is None and "over the 25% bound" in slow["reason"]
+    unpriced = _ep_plan(config, dataclasses.replace(hw, net_gbps=None))
+    assert unpriced["recommended"] == 2 and "not priced" in unpriced["reason"]
+    # a measured curve: 10 GB/s below 1 MiB, 40 GB/s from 64 MiB, at 2 ranks only
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"version": 1, "comm": {"all_to_all_busbw_gbps": {
+        "2": [[1 << 20, 10.0], [64 << 20, 40.0]]}}}))
+    curves = plan.profile_all_to_all(read_profile(path))
+    measured = _ep_plan(config, dataclasses.replace(hw, all_to_all_busbw=curves, profile=str(path)))
+    two = measured["degrees"][1]
+    message = two["all_to_all_message_bytes"]
+    assert message < 1 << 20  # the small model's exchanges are below the curve: its first point
+    per = message * (2 - 1) / 2 / 10e9
+    assert two["all_to_all_seconds"] == pytest.approx(two["all_to_all_bytes"] / message * 2 * per)
+    assert str(path) in two["priced_from"] and "2-rank curve" in two["priced_from"]
+    assert "4 ranks not measured" in measured["degrees"][2]["priced_from"]
+    path.write_text(json.dumps({"version": 1, "comm": {"all_to_all_busbw_gbps": {"2": [[1024, 0]]}}}))
+    with pytest.raises(ConfigError, match="all_to_all_busbw_gbps"):
+        plan.profile_all_to_all(read_profile(path))
+
+
 def test_mfu_from_metrics(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps({"step": i, "mfu": v}) for i, v in enumerate([0.9, 0.3, 0.4, 0.5]))
@@ -226,6 +302,7 @@ def test_cli_plan_json_and_table(tmp_path):
     assert result["checkpoint"]["write_seconds"] == pytest.approx(result["checkpoint"]["bytes"] / 1e9)
     table = plan.report(result, str(config))
     assert "fsdp  cp1 ac on" in table and "max micro-batch" in table and "checkpoint:" in table
+    assert stage["expert_parallel"]["recommended"] == 1 and "recommended train.expert_parallel = 1" in table
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -234,6 +311,7 @@ def test_cli_plan_json_and_table(tmp_path):
     (["--tflops", "1", "--mfu", "nope.jsonl"], "nope.jsonl"),
     (["--tflops", "1", "--context-parallel", "two"], "--context-parallel"),
     (["--tflops", "1", "--headroom", "1.5"], "--headroom"),
+    (["--tflops", "1", "--hardware-profile", "none.json"], "--hardware-profile none.json: no such file"),
 ])
 def test_cli_plan_errors(argv, needle, tmp_path, monkeypatch, capsys):
     from zaya.cli import main

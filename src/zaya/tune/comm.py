@@ -27,6 +27,11 @@ Recommendations (``recommend``, a pure function of the measured rows):
   fraction of the peak all-gather bandwidth it reaches, and sets ``fsdp_reshard_after_forward = False`` (one
   all-gather per block fewer in the backward) when keeping the whole model gathered costs at most 10 % of a device's
   memory, True otherwise.
+* Expert parallelism (with ``--config``): the all-to-all a training step of that config makes at each candidate
+  degree (dividing ``model.num_experts`` and the ranks measured): ``expert_all_to_all``'s bytes per step and their
+  time priced from the measured all-to-all curve at the message size one layer's exchange sends
+  (``price_all_to_all``), beside the gradient all-reduce of the whole model over the same ranks. ``zaya plan``
+  prices the same exchanges from the curve this command writes into the profile (``all_to_all_busbw_gbps``).
 
 Run as a plain command it starts one process per rank itself (gloo on CPU, NCCL on GPUs); under torchrun it uses
 the job's process group. The JSON (every row) and a PNG of bus bandwidth against size go to ``--out``.
@@ -83,8 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", metavar="DTYPE",
                    help="element type of the buffers: float32 (default: DDP's gradients) or bfloat16")
     p.add_argument("--config", default=None, metavar="PATH",
-                   help="a model config: also report FSDP2's per-block all-gather and ZeRO-1's parameter sync at its "
-                        "sizes, and set fsdp_reshard_after_forward for it")
+                   help="a model config: also report FSDP2's per-block all-gather, ZeRO-1's parameter sync and the "
+                        "expert all-to-all of a training step at each expert-parallel degree at its sizes, and set "
+                        "fsdp_reshard_after_forward for it")
     p.add_argument("--quick", action="store_true", help=f"a smoke test: sizes {QUICK_SIZES}, 3 repeats")
     skeleton.add_output_arguments(p, "comm-<device>.json and .png", "the PNG")
 
@@ -266,14 +272,53 @@ def time_at(c: list[tuple[int, float, float]], op: str, n: int, size: float) -> 
     return size * bus_factor(op, n) / (bw * 1e9)
 
 
+def expert_all_to_all(layers: int, top_k: int, hidden_size: int, micro_tokens: float, micro_batches: float,
+                      elem_bytes: int, ep: int) -> dict[str, float]:
+    """Expert parallelism's all-to-all in one training step of one rank at degree ``ep``. ``message_bytes``: one
+    exchange's per-rank input (every routed row of a micro-batch, ``micro_tokens x top_k`` rows of ``hidden_size``:
+    the size convention of this module's rows); ``exchanges``: four per MoE layer and micro-batch (the rows out and
+    their results back, in the forward and, their gradients, in the backward; activation checkpointing's recomputed
+    forward adds two, not counted); ``bytes``: what leaves the rank, the (ep - 1) / ep of each message whose
+    experts live on the other ranks (none at ep = 1). An ep group inside one node sends it over the node's fabric."""
+    message = micro_tokens * top_k * hidden_size * elem_bytes
+    exchanges = 4 * layers * micro_batches
+    return {"message_bytes": message, "exchanges": exchanges,
+            "bytes": exchanges * message * (ep - 1) / ep if ep > 1 else 0.0}
+
+
+def all_to_all_points(rows: list[dict[str, Any]]) -> dict[int, list[tuple[int, float]]]:
+    """The measured all-to-all curves, (bytes, bus GB/s) by size, per rank count (what the profile keeps)."""
+    ns = sorted({r["ranks"] for r in rows if r["op"] == "all_to_all" and r.get("time_s")})
+    return {n: [(s, b) for s, b, _ in curve(rows, "all_to_all", n)] for n in ns}
+
+
+def price_all_to_all(points: dict[int, list[tuple[int, float]]], ep: int, message: float) -> tuple[float, str]:
+    """Seconds of one all-to-all of ``message`` bytes per rank over ``ep`` ranks, from the measured curves
+    (bus bandwidth interpolated at the message size; the curve of ``ep`` ranks, else of the nearest rank count
+    measured), and a note on what was read."""
+    if ep <= 1:
+        return 0.0, "no exchange at degree 1"
+    n = min(points, key=lambda m: (abs(m - ep), -m))
+    bw, inside = interpolate(points[n], message)
+    note = f"{n}-rank curve at {format_bytes(message)} ({bw:.3g} GB/s)"
+    if n != ep:
+        note += f"; {ep} ranks not measured"
+    if not inside:
+        note += "; outside the sizes measured: extrapolated"
+    return message * bus_factor("all_to_all", ep) / (bw * 1e9), note
+
+
 def model_sizes(config_path: str) -> dict[str, Any]:
-    """Parameter bytes of a config's model (built on the meta device): per block (FSDP2's unit) and in all."""
+    """A config's model (built on the meta device): parameters per block (FSDP2's unit) and in all, and what its
+    expert all-to-all depends on (MoE layers, experts, top_k, width, the first stage's tokens per micro-batch and
+    ``train.global_batch_tokens``, 0 when unset)."""
     import torch
 
     from zaya.config import load_config
     from zaya.core.hardware import compute_dtype
     from zaya.model import ZayaForCausalLM
     from zaya.model.info import parameter_count
+    from zaya.train.schedule import stages_of
 
     config = load_config(config_path)
     dtype = compute_dtype(config.train.dtype, "cuda")  # what the GPUs of a swept cluster send
@@ -281,8 +326,38 @@ def model_sizes(config_path: str) -> dict[str, Any]:
         model = ZayaForCausalLM(config.model)
     blocks = [parameter_count(b) for b in model.blocks]
     total = parameter_count(model)
+    mc, first = config.model, stages_of(config)[0]
     return {"config": str(config_path), "params": total, "block_params": max(blocks), "num_blocks": len(blocks),
-            "param_dtype_bytes": 2 if dtype == "bfloat16" else 4, "dtype": dtype}
+            "param_dtype_bytes": 2 if dtype == "bfloat16" else 4, "dtype": dtype,
+            "num_layers": mc.num_layers, "num_experts": mc.num_experts, "top_k": mc.top_k,
+            "hidden_size": mc.hidden_size, "micro_tokens": first.micro_batch_size * first.seq_len,
+            "global_batch_tokens": config.train.global_batch_tokens or 0}
+
+
+def expert_parallel(rows: list[dict[str, Any]], model: dict[str, Any], world: int) -> dict[str, Any] | None:
+    """The expert all-to-all of one training step of ``model`` (``model_sizes()``) at each degree dividing its
+    experts and ``world`` (the ranks measured), priced from the measured all-to-all curves, beside the gradient
+    all-reduce (fp32, the whole model, ep = 1) over ``world`` ranks; None without all-to-all rows. A step is
+    ``train.global_batch_tokens / world`` tokens per rank (or one micro-batch when it is unset)."""
+    points = all_to_all_points(rows)
+    if not points:
+        return None
+    micro = model["micro_tokens"]
+    micro_batches = max(1.0, (model["global_batch_tokens"] or micro * world) / world / micro)
+    degrees = []
+    for ep in range(2, world + 1):
+        if model["num_experts"] % ep or world % ep:
+            continue
+        x = expert_all_to_all(model["num_layers"], model["top_k"], model["hidden_size"], micro, micro_batches,
+                              model["param_dtype_bytes"], ep)
+        per, note = price_all_to_all(points, ep, x["message_bytes"])
+        degrees.append({"ep": ep, **x, "seconds": x["exchanges"] * per, "priced_from": note})
+    out: dict[str, Any] = {"micro_tokens": micro, "micro_batches": micro_batches, "degrees": degrees}
+    ar = curve(rows, "all_reduce", world)
+    if ar:
+        out["all_reduce_bytes"] = 4 * model["params"]
+        out["all_reduce_s"] = time_at(ar, "all_reduce", world, out["all_reduce_bytes"])
+    return out
 
 
 def recommend(rows: list[dict[str, Any]], model: dict[str, Any] | None = None,
@@ -356,6 +431,21 @@ def recommend(rows: list[dict[str, Any]], model: dict[str, Any] | None = None,
                                           if keep else ""))
             out["reasons"]["fsdp"] = text
         out["fsdp"] = fsdp
+        ep = expert_parallel(rows, model, n) if model.get("num_experts") else None
+        if ep is not None:
+            out["expert_parallel"] = ep
+            step = (f"a step of {model['config']} ({ep['micro_batches']:g} micro-batch(es) of {ep['micro_tokens']:,} "
+                    f"tokens per rank, {model['dtype']})")
+            parts = [f"degree {d['ep']}: {d['exchanges']:g} all-to-alls of {format_bytes(d['message_bytes'])}, "
+                     f"{format_bytes(d['bytes'])} sent, {d['seconds'] * 1e3:.3g} ms ({d['priced_from']})"
+                     for d in ep["degrees"]]
+            text = f"expert all-to-all of {step}: " + ("; ".join(parts) if parts else
+                                                       f"no degree divides both {model['num_experts']} experts and "
+                                                       f"{n} ranks")
+            if "all_reduce_s" in ep:
+                text += (f"; beside the gradient all-reduce of {format_bytes(ep['all_reduce_bytes'])} over {n} ranks, "
+                         f"{ep['all_reduce_s'] * 1e3:.3g} ms")
+            out["reasons"]["expert_parallel"] = text
     for r in rows:
         if r.get("impl_note") and r["impl_note"] not in out["notes"]:
             out["notes"].append(r["impl_note"])
@@ -617,7 +707,10 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     return {"backend": result["backend"], "device": result["device"], "dtype": result["dtype"],
             "world": result["world"], "ranks_per_node": result["ranks_per_node"], "ranks": result["ranks"],
             "sizes": [min(result["sizes"]), max(result["sizes"])], "repeats": result["repeats"],
-            "peak_busbw_gbps": peaks, "bucket_mb_by_ranks": rec["bucket_mb_by_ranks"], "reasons": rec["reasons"],
+            "peak_busbw_gbps": peaks,
+            "all_to_all_busbw_gbps": {str(n): [[s, round(b, 4)] for s, b in pts]
+                                      for n, pts in all_to_all_points(rows).items()},
+            "bucket_mb_by_ranks": rec["bucket_mb_by_ranks"], "reasons": rec["reasons"],
             "notes": rec["notes"], "quick": result["quick"], "measured_at": result["measured_at"],
             "torch": result["torch"], "command": result["command"]}
 
@@ -683,6 +776,8 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"  fsdp: {rec['reasons']['fsdp']}")
     else:
         lines.append("  fsdp: pass --config to size the per-block all-gathers and choose reshard_after_forward")
+    if "expert_parallel" in rec["reasons"]:
+        lines.append(f"  expert parallel: {rec['reasons']['expert_parallel']}")
     for note in rec["notes"]:
         lines.append(f"  note: {note}")
     if result["quick"]:

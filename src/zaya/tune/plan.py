@@ -27,6 +27,17 @@ and for each parallel mode (ddp, zero1, fsdp), with and without activation check
   experts' weights and gradients (and of their Muon state under ddp), and sends the all-to-all's tokens
   (``all_to_all_bytes_per_step``; counted with the mode's NIC bytes unless the ep group sits inside a node of a
   multi-node job, where it crosses the node's fabric instead; not overlapped with compute in zaya).
+* **The expert-parallel degree to use** (``expert_parallel_plan``, per stage): for every degree that divides both
+  ``model.num_experts`` and the GPU count, the peak memory per GPU at the stage's micro-batch (under
+  ``train.parallel``, or zero1 when that is fsdp, which expert parallelism does not take; the config's activation
+  checkpointing and the stage's context parallelism) and the all-to-all's time per step: its bytes
+  (``all_to_all_bytes_per_step``) priced from the measured all-to-all curve of the hardware profile
+  (``--hardware-profile``, or the visible GPU's profile, where ``zaya tune comm`` wrote one: bus bandwidth at the
+  message size one layer's exchange sends), else at ``--net-gbps``; the row says which. **The rule**: the smallest
+  degree whose peak fits the memory budget with its all-to-all at most ``ALL_TO_ALL_SHARE_BOUND`` (25 %) of the
+  step's compute time (the all-to-all share only grows with the degree, as (ep - 1) / ep of the routed rows leave
+  a rank, and it is not overlapped, so a larger degree than memory needs only slows the step; the smallest also
+  keeps the group inside a node where one fits). None fits: no recommendation, and the reason says what failed.
 * **Checkpoints and data**: checkpoint size (weights and optimizer state) and its write time at ``--storage-gbps``;
   the read bandwidth the data loader needs at the planned tokens/s (2 bytes per token for vocabularies up to 65,536,
   else 4).
@@ -53,10 +64,13 @@ from zaya.core.hardware import compute_dtype
 from zaya.core.metrics_file import parse_records
 from zaya.core.units import format_count, format_duration
 from zaya.tune import report as skeleton
+from zaya.tune.comm import expert_all_to_all, price_all_to_all
 
 MODES = PARALLEL_MODES
 GIB = 2 ** 30
 MAX_MICRO_BATCH = 4096
+ALL_TO_ALL_SHARE_BOUND = 0.25
+"""The recommended expert-parallel degree's all-to-all takes at most this share of the step's compute time."""
 
 
 @dataclass(frozen=True)
@@ -274,6 +288,10 @@ class Hardware:
     """Share of each GPU's memory kept free (runtime context, allocator fragmentation, collective buffers)."""
     mfu: float = 0.35
     """Model FLOPs utilisation assumed (or measured) without activation checkpointing."""
+    all_to_all_busbw: dict[int, list[tuple[int, float]]] | None = None
+    """The measured all-to-all curves, (bytes, bus GB/s) per rank count (``profile_all_to_all``); None: not measured."""
+    profile: str = ""
+    """The hardware profile the curves came from."""
 
     @property
     def budget_bytes(self) -> float:
@@ -349,15 +367,88 @@ def comm_bytes_per_step(sizes: Sizes, mode: str, ranks: int, compute_bytes: int,
 
 
 def all_to_all_bytes_per_step(config: Config, tokens_per_gpu: float, ep: int, compute_bytes: int) -> float:
-    """Bytes each GPU sends per step in expert parallelism's all-to-all: every MoE layer sends the (ep - 1) / ep of
-    its routed assignments (tokens x top_k rows of hidden_size) whose experts live elsewhere, and gets their results
-    back, in the forward and again (their gradients) in the backward: four exchanges (activation checkpointing's
-    recomputed forward adds two more, not counted). A group inside one node sends this over the node's fabric, not a
-    NIC."""
+    """Bytes each GPU sends per step in expert parallelism's all-to-all (``zaya.tune.comm.expert_all_to_all``): every
+    MoE layer sends the (ep - 1) / ep of its routed assignments (tokens x top_k rows of hidden_size) whose experts
+    live elsewhere, and gets their results back, in the forward and again (their gradients) in the backward: four
+    exchanges (activation checkpointing's recomputed forward adds two more, not counted). A group inside one node
+    sends this over the node's fabric, not a NIC."""
     mc = config.model
-    if ep <= 1:
-        return 0.0
-    return 4 * mc.num_layers * tokens_per_gpu * mc.top_k * mc.hidden_size * compute_bytes * (ep - 1) / ep
+    return expert_all_to_all(mc.num_layers, mc.top_k, mc.hidden_size, tokens_per_gpu, 1, compute_bytes, ep)["bytes"]
+
+
+def profile_all_to_all(profile: Any) -> dict[int, list[tuple[int, float]]] | None:
+    """The all-to-all curves ``zaya tune comm`` wrote into a hardware profile's ``comm`` (None when it wrote none);
+    a malformed one is a ConfigError naming the file."""
+    raw = profile.comm.get("all_to_all_busbw_gbps")
+    if not raw:
+        return None
+    try:
+        curves = {int(n): sorted((int(size), float(bw)) for size, bw in points) for n, points in raw.items()}
+    except (AttributeError, TypeError, ValueError):
+        curves = {}
+    if not curves or any(not points or min(bw for _, bw in points) <= 0 for points in curves.values()):
+        raise ConfigError(f"{profile.path}: comm.all_to_all_busbw_gbps must map rank counts to [bytes, GB/s] "
+                          "pairs with positive bandwidths; rerun `zaya tune comm` to rewrite it")
+    return curves
+
+
+def _all_to_all_seconds(hw: Hardware, ep: int, exchange: dict[str, float], in_node: bool) -> tuple[float | None, str]:
+    """A step's all-to-all time at degree ``ep`` and what priced it: the measured curve (inside a node, or across
+    nodes where exactly ``ep`` ranks were measured), else the link bandwidth ``--net-gbps``."""
+    if ep == 1:
+        return 0.0, "no all-to-all"
+    curves = hw.all_to_all_busbw
+    if curves and (in_node or ep in curves):
+        per, note = price_all_to_all(curves, ep, exchange["message_bytes"])
+        return exchange["exchanges"] * per, f"measured all-to-all, {hw.profile}: {note}"
+    if hw.net_gbps:
+        return exchange["bytes"] / (hw.net_gbps * 1e9 / 8), (
+            f"link bandwidth --net-gbps {hw.net_gbps:g}" + ("; no measured all-to-all curve, and a node's fabric is "
+                                                            "faster: an upper bound" if in_node else ""))
+    return None, "not priced: no measured all-to-all curve (zaya tune comm) and no --net-gbps"
+
+
+def expert_parallel_plan(config: Config, hw: Hardware, st: StageShape, step_seconds: float,
+                         reshard: bool) -> dict[str, Any]:
+    """Memory and all-to-all time per GPU at every candidate expert-parallel degree of one stage, and the degree
+    the module docstring's rule recommends (``recommended``, None when none qualifies, ``reason`` either way)."""
+    tc, mc = config.train, config.model
+    mode = tc.parallel if tc.parallel in ("ddp", "zero1") else "zero1"
+    ac = tc.activation_checkpointing
+    compute_bytes = 2 if compute_dtype(tc.dtype, "cuda") == "bfloat16" else 4
+    micro_tokens = st.micro_batch * st.seq_len // st.cp
+    micro_batches = st.global_batch_tokens / hw.gpus / micro_tokens
+    rows = []
+    for ep in (d for d in range(1, hw.gpus + 1) if mc.num_experts % d == 0 and hw.gpus % d == 0):
+        m = memory_plan(config, gpus=hw.gpus, parallel=mode, micro_batch=st.micro_batch, seq_len=st.seq_len,
+                        cp=st.cp, activation_checkpointing=ac, reshard_after_forward=reshard,
+                        budget_bytes=hw.budget_bytes, ep=ep)
+        exchange = expert_all_to_all(mc.num_layers, mc.top_k, mc.hidden_size, micro_tokens, micro_batches,
+                                     compute_bytes, ep)
+        in_node = ep <= hw.gpus_per_node
+        seconds, source = _all_to_all_seconds(hw, ep, exchange, in_node)
+        rows.append({"ep": ep, "in_node": in_node, "peak": m["peak"], "fits": m["peak"] <= hw.budget_bytes,
+                     "max_micro_batch": m["max_micro_batch"], "all_to_all_bytes": exchange["bytes"],
+                     "all_to_all_message_bytes": exchange["message_bytes"], "all_to_all_seconds": seconds,
+                     "share_of_step": None if seconds is None else seconds / step_seconds, "priced_from": source})
+    where = f"{mode}, activation checkpointing {'on' if ac else 'off'}, cp {st.cp}, micro-batch {st.micro_batch}"
+    bound = ALL_TO_ALL_SHARE_BOUND
+    pick = next((r for r in rows if r["fits"] and (r["share_of_step"] is None or r["share_of_step"] <= bound)), None)
+    if pick is not None:
+        reason = f"the smallest degree whose peak ({_gib(pick['peak'])} GiB) fits the budget ({where})"
+        if pick["ep"] > 1:
+            reason += (f" with its all-to-all at most {bound:.0%} of the step" if pick["share_of_step"] is not None
+                       else "; its all-to-all is not priced (give --net-gbps or a profile from zaya tune comm)")
+    else:
+        fitting = [r for r in rows if r["fits"]]
+        reason = (f"no degree dividing {mc.num_experts} experts and {hw.gpus} GPUs fits the budget ({where}; the "
+                  f"largest, {rows[-1]['ep']}, peaks at {_gib(rows[-1]['peak'])} GiB): use more GPUs, activation "
+                  "checkpointing or a smaller micro-batch") if not fitting else (
+                  f"degree {fitting[0]['ep']} fits ({where}) but its all-to-all takes "
+                  f"{fitting[0]['share_of_step']:.0%} of the step, over the {bound:.0%} bound: a faster fabric, a "
+                  "larger micro-batch per exchange or more memory per GPU (degree 1) would serve better")
+    return {"parallel": mode, "activation_checkpointing": ac, "cp": st.cp, "share_bound": bound, "degrees": rows,
+            "recommended": pick["ep"] if pick else None, "reason": reason}
 
 
 def checkpoint_bytes(sizes: Sizes) -> dict[str, int]:
@@ -429,7 +520,8 @@ def plan(config: Config, hw: Hardware, *, modes: tuple[str, ...] = MODES, ac_opt
                        "tokens": st.tokens, "tokens_note": st.tokens_note,
                        "global_batch_tokens": st.global_batch_tokens, "train_flops_per_token": fpt,
                        "tokens_per_s": tokens_per_s, "tokens_per_s_with_checkpointing": tokens_per_s * 3 / 4,
-                       "seconds": seconds, "step_seconds": step_seconds, "memory": rows, "communication": comm})
+                       "seconds": seconds, "step_seconds": step_seconds, "memory": rows, "communication": comm,
+                       "expert_parallel": expert_parallel_plan(config, hw, st, step_seconds, reshard)})
     sizes = model_sizes(config, hw.gpus)
     ck = checkpoint_bytes(sizes)
     ck_total = sum(ck.values())
@@ -442,7 +534,8 @@ def plan(config: Config, hw: Hardware, *, modes: tuple[str, ...] = MODES, ac_opt
            "hardware": {"gpus": hw.gpus, "gpu_memory_gib": hw.gpu_memory_gib, "tflops": hw.tflops,
                         "net_gbps": hw.net_gbps, "storage_gbps": hw.storage_gbps, "gpus_per_node": hw.gpus_per_node,
                         "headroom": hw.headroom, "mfu": hw.mfu, "budget_bytes": hw.budget_bytes,
-                        "dtype": train_dtype, "fsdp_reshard_after_forward": reshard},
+                        "dtype": train_dtype, "fsdp_reshard_after_forward": reshard,
+                        "all_to_all_profile": hw.profile if hw.all_to_all_busbw else None},
            "stages": stages, "total_tokens": sum(s["tokens"] for s in stages), "total_seconds": total_seconds,
            "checkpoint": {**ck, "bytes": ck_total, "write_seconds": ck_total / storage if storage else None,
                           "every_steps": every,
@@ -495,6 +588,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 0.10)")
     p.add_argument("--last-stage-tokens", type=float, metavar="N",
                    help="tokens of a last stage with tokens = 0 (default: until train.max_steps)")
+    p.add_argument("--hardware-profile", metavar="FILE",
+                   help="a hardware profile whose all-to-all curve (written by zaya tune comm) prices the expert "
+                        "all-to-all (default: the visible GPU's profile, if it has one; else --net-gbps)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -556,6 +652,19 @@ def report(result: dict[str, Any], config_path: str) -> str:
                 comm[-1] += f" (expert all-to-all {c['all_to_all_tokens'] / 1e9:.1f} GB, {where})"
         if comm:
             lines.append("  sent per GPU per step: " + "; ".join(comm))
+        ep = st["expert_parallel"]
+        ac = "on" if ep["activation_checkpointing"] else "off"
+        lines += [f"  expert parallel ({ep['parallel']} cp{ep['cp']} ac {ac}, micro-batch {st['micro_batch']}):",
+                  "    degree  peak GiB  fits  max micro-batch  all-to-all GB       time  share  priced from"]
+        for r in ep["degrees"]:
+            timed = r["ep"] > 1 and r["all_to_all_seconds"] is not None
+            lines.append(f"    {r['ep']:>6d} {_gib(r['peak']):>9s}  {'yes' if r['fits'] else 'NO ':4s} "
+                         f"{r['max_micro_batch']:>15d} {r['all_to_all_bytes'] / 1e9:>14.2f} "
+                         f"{format_duration(r['all_to_all_seconds']) if timed else '-':>10s} "
+                         f"{format(r['share_of_step'], '.0%') if timed else '-':>6s}"
+                         + (f"  {r['priced_from']}" if r["ep"] > 1 else ""))
+        lines.append(f"  recommended train.expert_parallel = {ep['recommended']}: {ep['reason']}"
+                     if ep["recommended"] else f"  no expert-parallel degree recommended: {ep['reason']}")
     ck, data = result["checkpoint"], result["data"]
     line = (f"checkpoint: {ck['bytes'] / 1e9:.1f} GB (weights {ck['weights'] / 1e9:.1f}, optimizer "
             f"{ck['optimizer'] / 1e9:.1f}); exported bf16 weights {ck['exported_bf16_bytes'] / 1e9:.1f} GB")
@@ -570,11 +679,25 @@ def report(result: dict[str, Any], config_path: str) -> str:
     return "\n".join(lines)
 
 
+def _comm_profile(path: str | None) -> Any:
+    """``--hardware-profile``'s file, else the visible GPU's profile, else None."""
+    from zaya.core.hardware import load_profile, read_profile
+
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"--hardware-profile {path}: no such file (zaya tune comm writes one under "
+                              "~/.cache/zaya/hardware/)")
+        return read_profile(path)
+    return load_profile(torch.device("cuda")) if torch.cuda.is_available() else None
+
+
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set or [])
+    profile = _comm_profile(args.hardware_profile)
+    curves = profile_all_to_all(profile) if profile is not None else None
     hw = Hardware(gpus=args.gpus, gpu_memory_gib=args.gpu_memory, tflops=args.tflops, net_gbps=args.net_gbps,
                   storage_gbps=args.storage_gbps, gpus_per_node=args.gpus_per_node, headroom=args.headroom,
-                  mfu=_mfu(args.mfu))
+                  mfu=_mfu(args.mfu), all_to_all_busbw=curves, profile=profile.path if curves else "")
     ac = {"off": (False,), "on": (True,), "both": (False, True)}[args.activation_checkpointing]
     result = plan(config, hw, modes=tuple(args.parallel or MODES), ac_options=ac,
                   cp_options=_cp_list(args.context_parallel),
