@@ -106,6 +106,36 @@ def test_fsdp_and_zero1_recommendation():
     assert {"ddp_bucket_mb", "zero1", "fsdp"} <= set(rec["reasons"])
 
 
+def test_expert_all_to_all_at_each_degree():
+    """--config: a training step's expert all-to-all at every degree dividing the experts and the ranks, priced from
+    the measured all-to-all curve at one exchange's message size, beside the gradient all-reduce."""
+    n = 8
+    rows = (_rows("all_reduce", n, SIZES, _saturating_at(8 * MiB)) + _rows("all_to_all", 2, SIZES, lambda s: 20.0)
+            + _rows("all_to_all", 4, SIZES, _saturating_at(64 * MiB, 40.0)))
+    # 2 micro-batches of 1024 tokens per rank (global 16,384 over 8 ranks), top-2 of 1024 wide, bf16: 4 MiB messages
+    model = {"config": "m.toml", "params": 100_000_000, "block_params": 2 * MiB, "num_blocks": 8,
+             "param_dtype_bytes": 2, "dtype": "bfloat16", "num_layers": 8, "num_experts": 12, "top_k": 2,
+             "hidden_size": 1024, "micro_tokens": 1024, "global_batch_tokens": 16384}
+    rec = comm.recommend(rows, model)
+    ep = rec["expert_parallel"]
+    assert [d["ep"] for d in ep["degrees"]] == [2, 4]  # 8 does not divide 12 experts, 3 and 6 not 8 ranks
+    assert ep["micro_batches"] == 2
+    two, four = ep["degrees"]
+    assert two["message_bytes"] == four["message_bytes"] == 4 * MiB
+    assert two["exchanges"] == 4 * 8 * 2
+    assert two["bytes"] == 64 * 4 * MiB / 2 and four["bytes"] == 64 * 4 * MiB * 3 / 4
+    assert two["seconds"] == pytest.approx(64 * 4 * MiB / 2 / 20e9)  # flat 20 GB/s at 2 ranks
+    assert four["seconds"] == pytest.approx(64 * 4 * MiB * 3 / 4 / (40e9 * 4 / 64))  # 1/16 of 40 GB/s at 4 MiB
+    assert ep["all_reduce_s"] == pytest.approx(4e8 * 2 * 7 / 8 / 100e9)
+    reason = rec["reasons"]["expert_parallel"]
+    assert "degree 4" in reason and "gradient all-reduce" in reason
+    # a degree not measured takes the nearest rank count's curve, and says so
+    assert comm.price_all_to_all(comm.all_to_all_points(rows), 8, 4 * MiB)[1].startswith("4-rank curve")
+    assert "expert_parallel" not in comm.recommend([r for r in rows if r["op"] != "all_to_all"], model)
+    unsplit = comm.recommend(rows, {**model, "num_experts": 7})
+    assert unsplit["expert_parallel"]["degrees"] == [] and "no degree divides" in unsplit["reasons"]["expert_parallel"]
+
+
 @pytest.mark.parametrize("argv, match", [
     (("--nproc", "1"), "at least 2 ranks"),
     (("--backend", "mpi"), "--backend"),
@@ -166,8 +196,14 @@ def test_quick_sweep_two_gloo_ranks(tmp_path, monkeypatch, capsys):
     assert saved.ddp_bucket_mb == rec["ddp_bucket_mb"]
     assert saved.fsdp_reshard_after_forward == rec["fsdp"]["reshard_after_forward"]
     assert saved.comm["backend"] == "gloo" and saved.comm["peak_busbw_gbps"]["all_reduce"]["2"] > 0
+    # tiny.toml's 8 experts over the 2 ranks: degree 2, priced from the curve the planner reads back
+    (two,) = rec["expert_parallel"]["degrees"]
+    assert two["ep"] == 2 and two["seconds"] > 0 and "2-rank curve" in two["priced_from"]
+    from zaya.tune.plan import profile_all_to_all
+
+    assert [s for s, _ in profile_all_to_all(saved)[2]] == result["sizes"]
     report = comm.report(result)
-    assert "bucket_cap_mb" in report and "reduce_scatter" in report
+    assert "bucket_cap_mb" in report and "reduce_scatter" in report and "expert parallel: " in report
 
 
 def _wrap_rank(rank: int, world: int, mode: str) -> dict:
