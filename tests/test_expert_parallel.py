@@ -33,9 +33,13 @@ ROUTERS = {
 
 
 def micro(dataset, run_dir, steps: int, **tables):
+    """The micro config in fp32 for ``steps`` steps, each table updated from ``tables``; ``model=None``: no model
+    table (``train.init_from`` gives the model)."""
     from zaya.config import config_from_dict
 
     data = tomllib.loads(MICRO_CONFIG.format(dataset=dataset, run_dir=run_dir))
+    if "model" in tables and tables["model"] is None:
+        del data["model"], tables["model"]
     data["train"].update({"dtype": "float32", "eval_every": 0, "sample_tokens": 0, "max_steps": steps,
                           "router_probe": False})
     data["optim"]["muon_ns_dtype"] = "float32"
@@ -68,8 +72,11 @@ def _train(rank: int, world: int, dataset: str, run_dir: str, steps: int, tables
     from zaya.train.trainer import train
 
     class Measure(Callback):
+        def on_start(self, trainer) -> None:
+            self.at_start = _expert_bytes(trainer)["shards"]
+
         def on_stop(self, trainer, summary) -> None:
-            summary["expert_bytes"] = _expert_bytes(trainer)
+            summary["expert_bytes"] = {**_expert_bytes(trainer), "at_start": self.at_start}
 
     return train(micro(dataset, run_dir, steps, **tables), callbacks=[Measure()]).get("expert_bytes")
 
@@ -143,6 +150,40 @@ def test_losses_and_memory_with_expert_parallelism_equal_those_without(tmp_path,
         assert all(part["state"] == part["weights"] for part in sharded)
     else:
         assert sum(part["state"] for part in sharded) == whole and all(part["state"] > 0 for part in sharded)
+
+
+@pytest.fixture(scope="module")
+def hf_source(tmp_path_factory) -> Path:
+    """A random transformers ``ZayaForCausalLM`` with 4 experts, for the shakespeare tokenizer's 512 ids, saved in
+    shards with an index."""
+    from transformers import ZayaConfig, ZayaForCausalLM
+
+    torch.manual_seed(0)
+    config = ZayaConfig(vocab_size=512, hidden_size=40, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, num_experts=4, moe_intermediate_size=24,
+                        router_hidden_size=12, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2)
+    out = tmp_path_factory.mktemp("hf") / "hf"
+    ZayaForCausalLM(config).save_pretrained(out, max_shard_size="20KB")
+    return out
+
+
+def test_init_from_a_hugging_face_directory_at_degree_2(tmp_path, shakespeare_dataset, hf_source):
+    """Two steps on 2 ranks from transformers-made weights at ep = 2: the losses and norms of ep = 1, each rank
+    holding half of the experts, filled with its slice of the source's (those of ep = 1, which test_init_from
+    compares with the source)."""
+    runs = {}
+    for ep in (1, 2):
+        runs[ep] = _run(shakespeare_dataset, tmp_path / str(ep), 2, 2, ep, "ddp", "zaya", model=None,
+                        train={"init_from": str(hf_source), "max_steps": 2})
+    for key in ("loss", "grad_norm"):
+        want, got = losses(tmp_path / "1", key), losses(tmp_path / "2", key)
+        assert len(got) == 2 and _close(got, want), (key, got, want)
+    assert all(part["weights"] * 2 == runs[1][0]["weights"] for part in runs[2])
+    assert any(".experts." in n for n in runs[2][0]["at_start"])
+    for name in runs[2][0]["at_start"]:
+        whole = torch.cat([r["at_start"][name] for r in runs[2]])
+        assert torch.equal(whole, runs[1][0]["at_start"][name]), name
 
 
 def test_zaya_train_with_expert_parallel_2_on_two_gloo_ranks(tmp_path, micro_config):

@@ -625,10 +625,6 @@ class Config:
             fits = [n for n in range(1, self.model.num_experts + 1) if self.model.num_experts % n == 0]
             raise ConfigError(f"train.expert_parallel = {ep} does not divide model.num_experts = "
                               f"{self.model.num_experts}: pass --set train.expert_parallel=N with N one of {fits}")
-        if ep > 1 and self.train.init_from:
-            raise ConfigError(f"train.init_from with train.expert_parallel = {ep} is not done yet: initialise with "
-                              "train.expert_parallel=1 and max_steps=1, then resume that run at the degree you want "
-                              "(checkpoints load at any degree)")
         if ep > 1 and self.train.parallel == "fsdp":
             raise ConfigError(f'train.expert_parallel = {ep} works with train.parallel "ddp" or "zero1", not "fsdp" '
                               '(not done yet): pass --set train.parallel=zero1, or train.expert_parallel=1')

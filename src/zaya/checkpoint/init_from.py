@@ -6,8 +6,9 @@ on rank 0 only, and hands every rank the result. ``merged_model_config`` takes t
 source: a key the source fixes (``SETTABLE`` lists the others) that the run sets to another value is an error.
 ``load_weights`` (collective) fills the model already built, and wrapped for its parallel mode, in place, tensor by
 tensor in row blocks: under FSDP2 each rank reads only the bytes of its own shards (safetensors slices, DCP's
-planner for a training checkpoint); otherwise each rank reads every tensor into its one copy of the model. The router's balancing
-state comes from the source when it holds it (a plain HF download does not: then it starts as a fresh router's).
+planner for a training checkpoint), and under expert parallelism only the experts it holds; otherwise each rank
+reads every tensor into its one copy of the model. The router's balancing state comes from the source when it holds
+it (a plain HF download does not: then it starts as a fresh router's).
 """
 
 from __future__ import annotations
@@ -173,16 +174,18 @@ def merged_model_config(run: ModelConfig, source: InitSource) -> ModelConfig:
 
 
 @torch.no_grad()
-def load_weights(source: InitSource, wrapped: torch.nn.Module, runtime) -> None:
+def load_weights(source: InitSource, wrapped: torch.nn.Module, runtime, experts=None) -> None:
     """Fill ``wrapped`` (the model in its parallel wrapper, its tensors allocated but not initialised) with the
-    source's weights, in place (collective: a failure on any rank is raised on every rank)."""
+    source's weights, in place (collective: a failure on any rank is raised on every rank). ``experts``: the
+    ``ExpertParallel`` layout whose shards the model holds (each rank reads only its own experts), or None."""
     error = None
     try:
         live = get_model_state_dict(wrapped)
+        targets = experts.placed(live) if experts is not None else live
         if source.kind == "training":
-            _load_training(source, live, runtime)
+            _load_training(source, targets, runtime)
         else:
-            _load_safetensors(source, live)
+            _load_safetensors(source, targets)
         set_model_state_dict(wrapped, live)
     except Exception as exc:  # noqa: BLE001 - reported on every rank by agree()
         error = exc

@@ -27,6 +27,8 @@ world size (the same mean as DDP's over every rank: a rank's expert gradient alr
 are reduced as before (DDP or ZeRO-1); the routers' balancing counts are the step's global counts as always.
 
 **Checkpoints** hold the experts whole (``Consolidated``): saved at one degree, they load at any other, or at none.
+``train.init_from`` fills each rank's experts only: ``placed`` shows the loader its shards as DTensors over the ep
+group, whose slices it reads as it reads FSDP2's.
 """
 
 from __future__ import annotations
@@ -64,7 +66,17 @@ class ExpertParallel:
         self.size, self.index = size, runtime.rank % size
         self.replicas, self.replica_rank = world // size, runtime.rank // size
         self.world_size = world
-        self.params: list[nn.Parameter] = []
+        self.device_type = runtime.device.type
+        self.fqns: list[str] = []
+        """The expert shards' qualified names in the model ``shard`` was given (DDP's ignored parameters, the
+        checkpoint keys)."""
+        self._model: nn.Module | None = None
+        self._mesh = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The expert shards, looked up by name (``to_empty`` after a build on the meta device replaces them)."""
+        return [] if self._model is None else [self._model.get_parameter(n) for n in self.fqns]
 
     def describe(self) -> str:
         return f"expert parallel {self.size} (this rank holds experts slice {self.index} of {self.size})"
@@ -74,6 +86,7 @@ class ExpertParallel:
         the meta device nothing is allocated) and install the dispatcher."""
         from zaya.model.moe import Experts
 
+        self._model = model
         for where, module in model.named_modules():
             if not isinstance(module, Experts):
                 continue
@@ -83,17 +96,26 @@ class ExpertParallel:
                 full = getattr(module, name)
                 part = nn.Parameter(full.detach()[lo:lo + held].clone(), requires_grad=full.requires_grad)
                 setattr(module, name, part)
-                self.params.append(part)
+                self.fqns.append(f"{where}.{name}")
             module.dispatcher = Dispatch(self.group, self.size, held, f"{where} (ep group of ranks {self.ranks})")
 
-    def consolidated(self, part: Any, model: nn.Module) -> Consolidated:
-        """``part`` (a checkpoint part over ``model``) saving and loading the expert shards whole."""
-        return Consolidated(part, self, self.names(model))
+    def consolidated(self, part: Any) -> Consolidated:
+        """``part`` (a checkpoint part over the model) saving and loading the expert shards whole."""
+        return Consolidated(part, self, self.fqns)
 
-    def names(self, model: nn.Module) -> list[str]:
-        """The qualified names of the expert shards in ``model`` (DDP's ignored parameters, the checkpoint keys)."""
-        ids = {id(p) for p in self.params}
-        return [n for n, p in model.named_parameters() if id(p) in ids]
+    def placed(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` (a model state dict by qualified name) with each expert shard as a DTensor of the whole
+        [E, ...] stack over the ep group (``Shard(0)``: this rank's slice), sharing the shard's storage: readers
+        that place DTensors (DCP's planner, ``train.init_from``'s safetensors slices) then fill only this rank's
+        experts, as they fill FSDP2's shards (collective the first time: it builds the ep group's mesh)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._mesh is None:
+            self._mesh = DeviceMesh.from_group(self.group, self.device_type)
+        names = set(self.fqns)
+        return {k: DTensor.from_local(v, self._mesh, [Shard(0)], run_check=False) if k in names else v
+                for k, v in state.items()}
 
     def reduce_gradients(self) -> None:
         """Sum the expert shards' gradients over the replica group and divide by the world size: the mean over

@@ -175,7 +175,7 @@ def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32", 
 
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         if experts is not None:  # reduced over their replicas only (ExpertParallel.reduce_gradients)
-            DDP._set_params_and_buffers_to_ignore_for_model(model, experts.names(model))
+            DDP._set_params_and_buffers_to_ignore_for_model(model, experts.fqns)
         with warnings.catch_warnings():
             # torch 2.13 deprecates broadcast_buffers but advises keeping broadcast_buffers=False for rank-local
             # buffers (the routers' balancing state is updated identically on every rank, never broadcast) until

@@ -120,7 +120,7 @@ class Trainer:
         model, optim = ModelState(self.parallel.wrapped), OptimizerState(self.parallel.wrapped, self.optimizers)
         ep = self.parallel.experts
         if ep is not None:  # the expert shards saved whole: loadable at any expert-parallel degree
-            model, optim = ep.consolidated(model, self.parallel.model), ep.consolidated(optim, self.parallel.model)
+            model, optim = ep.consolidated(model), ep.consolidated(optim)
         return {"model": model, "optim": optim, "loader": self.loader, "progress": self.progress, "rng": RNGState()}
 
     @classmethod
@@ -187,7 +187,7 @@ class Trainer:
             if init is not None:
                 from zaya.checkpoint.init_from import load_weights
 
-                load_weights(init, self.parallel.wrapped, self.runtime)
+                load_weights(init, self.parallel.wrapped, self.runtime, self.parallel.experts)
                 self.log(f"initialised from {init.path} ({init.kind} checkpoint {init.directory}): weights and router "
                          "balancing state loaded; optimizer, step and data start fresh")
             return
