@@ -13,7 +13,8 @@ the plans that run had (the loss in 2^19-element chunks, the default then; Newto
 CPU figures, measured here by this script: the trainer's step (forward with labels, backward, clip, Muon + AdamW,
 zero_grad) of configs/tiny.toml's model and a wider one in fp32, timed after two warm-up steps, against the
 prediction on this CPU's profile measured by microbenchmarks (``zaya.tune.cost.measure_cpu``) just before, in
-``--rounds`` alternating rounds (medians).
+``--rounds`` alternating rounds (medians). Both on ``zaya.tune.cost.cpu_clock``: at one thread, this thread's CPU
+time, so that what other jobs on a shared machine take is neither the step's nor the microbenchmarks'.
 
 Then ZAYA1-base's micro-batch (ZeRO-1, 4k context; micro-batch 1 as configs/zaya1-base.toml, and 5 on the
 MI300X, the most ``zaya plan`` fits there without activation checkpointing; the loss in today's GPU chunks) on the
@@ -37,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from zaya.config import ModelConfig, OptimConfig, load_config
 from zaya.core.hardware import GPU_LOSS_CHUNK_ELEMENTS
-from zaya.tune.cost import DEVICES, measure_cpu, mfu, predict
+from zaya.tune.cost import DEVICES, cpu_clock, measure_cpu, mfu, predict
 from zaya.tune.kernel_trace import KernelRecorder, gpu_plans, planned_as, trace_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,8 +110,12 @@ def gpu_validation(smoke: bool) -> list[dict]:
     rows[0]["top_parts"] = {k: round(v * 1e3, 1) for k, v in p.top("by_part")}
     rows[0]["top_kinds"] = {k: round(v * 1e3, 1) for k, v in p.top("by_kind")}
     rows[0]["bound_ms"] = {k: round(v * 1e3, 1) for k, v in p.bound.items()}
+    rows[0]["host_ms"] = round(p.host_seconds * 1e3, 1)
+    rows[0]["host_ops"] = {"kernels": len(kernels), "without_kernel": sum(k.host_ops for k in kernels)}
     moe = predict(_moe_block_kernels(_base(smoke=smoke), 32 if smoke else 4096), h200)
     rows.append(_row("H200 MoE block fwd + bwd, 4,096 tokens", MEASURED["h200_moe_block_ms"], moe.seconds * 1e3))
+    rows[-1].update(host_ms=round(moe.host_seconds * 1e3, 2), bound_ms={k: round(v * 1e3, 2) for k, v in
+                                                                       moe.bound.items()})
     shapes = [tuple(max(1, x // 16) for x in s) for s in MUON_SHAPES] if smoke else MUON_SHAPES
     for method in ("standard", "gram"):
         muon = predict(_muon_kernels(method, shapes, gpu_plans(RUN_CHUNK)), h200)
@@ -119,7 +124,8 @@ def gpu_validation(smoke: bool) -> list[dict]:
 
 
 def _cpu_stepper(cfg: ModelConfig, batch: int, seq: int):
-    """One fp32 training step of ``cfg`` on this CPU as the trainer runs it, as a callable returning its ms."""
+    """One fp32 training step of ``cfg`` on this CPU as the trainer runs it, as a callable returning its ms on
+    ``zaya.tune.cost.cpu_clock`` (this thread's CPU time at one thread: what the profile's microbenchmarks use)."""
     from zaya.model import ZayaForCausalLM
     from zaya.optim.build import build_optimizers, split_parameters
 
@@ -129,15 +135,16 @@ def _cpu_stepper(cfg: ModelConfig, batch: int, seq: int):
     optimizers = build_optimizers(split_parameters(model, ocfg.muon), ocfg)
     params = [p for p in model.parameters() if p.requires_grad]
     ids = torch.randint(3, cfg.vocab_size, (batch, seq))
+    clock = cpu_clock()
 
     def step() -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         model(ids, labels=ids).loss.backward()
         torch.nn.utils.clip_grad_norm_(params, ocfg.grad_clip)
         for opt in optimizers:
             opt.step()
         model.zero_grad(set_to_none=True)
-        return (time.perf_counter() - t0) * 1e3
+        return (clock() - t0) * 1e3
 
     step()
     step()  # warm-up: optimizer state, allocator
@@ -175,6 +182,10 @@ def cpu_validation(rounds: int, smoke: bool, threads: int) -> tuple[list[dict], 
     profile = {"gemm_fp32_gflops": round(med(lambda c: c.peak_flops["float32"]) / 1e9, 1),
                "bandwidth_gb_s": round(med(lambda c: c.bandwidth) / 1e9, 1),
                "launch_us": round(med(lambda c: c.launch_s) * 1e6, 2),
+               "host_op_us": round(med(lambda c: c.host_op_s) * 1e6, 2),
+               "gemm_rate_by_side_gflops": {round((f / 2) ** (1 / 3)): round(
+                   statistics.median(c.gemm_curve[i][1] * c.peak_flops["float32"] for c in profiles) / 1e9, 1)
+                   for i, (f, _) in enumerate(profiles[0].gemm_curve)},
                "attention_efficiency": round(med(lambda c: c.attention_efficiency), 3),
                "device": profiles[0].name, "rounds": rounds}
     return rows, profile

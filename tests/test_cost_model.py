@@ -1,5 +1,6 @@
 """zaya.tune.kernel_trace / zaya.tune.cost: FLOPs and bytes of known kernels, a tiny step against torch's
-flop counter, and the prediction's monotonicity in peak and bandwidth."""
+flop counter, the prediction's monotonicity in peak and bandwidth, and the pieces of the price against hand-computed
+cases: host and device clocks, wave quantisation, the measured GEMM curve, row-wise occupancy."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from zaya.config import ModelConfig
-from zaya.tune.cost import DEVICES, predict
-from zaya.tune.kernel_trace import ATTENTION, GEMM, KernelRecorder, gpu_plans, trace_step
+from zaya.tune.cost import DEVICES, Device, curve_efficiency, kernel_seconds, predict, timeline, wave_efficiency
+from zaya.tune.kernel_trace import ATTENTION, GEMM, OTHER, Kernel, KernelRecorder, gpu_plans, trace_step
 
 CFG = ModelConfig(vocab_size=512, hidden_size=64, num_layers=2, num_query_heads=4, num_kv_heads=2, head_dim=16,
                   num_experts=4, expert_hidden_size=64, router_hidden_size=16)
@@ -61,6 +62,82 @@ def test_copy_bytes_and_views_free():
         dst.copy_(src)
     (k,) = _record(run)
     assert k.flops == 0 and k.bytes == 3 * 4000  # reads dst and src, writes dst
+
+
+def test_host_ops_and_syncs_recorded():
+    """Ops that launch nothing are counted on the next kernel; a host read marks it as issued after a wait."""
+    def run():
+        x, w = torch.empty(8, 4), torch.empty(4, 4)
+        y = torch.mm(x.view(4, 8).t(), w)  # two allocations and two views, then a kernel
+        y.sum().item()  # a kernel (sum), then a host read
+        y.add(1)
+    mm, total, add = _record(run)
+    assert (mm.op, mm.host_ops, mm.sync) == ("mm", 4, False)
+    assert (total.host_ops, total.sync) == (0, False)
+    assert (add.op, add.host_ops, add.sync) == ("add", 1, True)
+
+
+def test_timeline_overlaps_host_and_device():
+    """Hand-computed clocks: the device-bound stream hides the host, the host-bound one shows it, a host read waits
+    for the device, and a synchronous device (a CPU) adds both."""
+    def total(issues, asynchronous=True):
+        return sum(t for t, _ in timeline(issues, asynchronous))
+
+    assert total([(1, 10, False), (1, 10, False)]) == 21  # issued at 1 and 2; the device ends at 11, 21
+    assert total([(5, 1, False)] * 3) == 16  # issued at 5, 10, 15; the last runs 15-16
+    assert total([(1, 10, False), (1, 1, True)]) == 13  # the host waits until 11, issues at 12, runs 12-13
+    assert total([(1, 10, False), (1, 10, False)], asynchronous=False) == 22
+    assert timeline([(5, 1, False), (1, 10, False)], True) == [(6, 1), (10, 10)]  # the host's 5, then hidden
+    assert timeline([(1, 10, False), (20, 1, False)], True) == [(11, 10), (11, 1)]  # the device waits 10 for it
+
+
+_TOY = Device("toy", {"float32": 1e12, "bfloat16": 1e12}, 1e9, gemm_efficiency=1.0, attention_efficiency=1.0,
+              bandwidth_efficiency=1.0, launch_s=5e-6, host_op_s=1e-6, compute_units=4, tile=(128, 256))
+
+
+def _kernel(kind=GEMM, flops=0.0, nbytes=0, tiles=(0, 0, 0), rows=0, host_ops=0):
+    return Kernel("k", kind, flops, nbytes, "float32", "p", "forward", tiles, rows=rows, host_ops=host_ops)
+
+
+def test_wave_quantisation():
+    """Output tiles of 128 x 256 over 4 units: 4 tiles fill one wave; 6 tiles take two waves (6 / 8 busy); a
+    grouped GEMM's tiles counted per group: 3 groups of one tile fill 3 of 4."""
+    assert wave_efficiency(_kernel(tiles=(1, 256, 512)), _TOY) == 1.0
+    assert wave_efficiency(_kernel(tiles=(1, 384, 512)), _TOY) == 0.75
+    assert wave_efficiency(_kernel(tiles=(3, 100, 200)), _TOY) == 0.75
+    k = _kernel(flops=6e9, tiles=(1, 384, 512))
+    assert kernel_seconds(k, _TOY) == pytest.approx(6e9 / (1e12 * 0.75))
+    skinny = _kernel(flops=1e6, nbytes=10 ** 6, tiles=(1, 16, 512))  # the memory roofline: 1 ms of bytes
+    assert kernel_seconds(skinny, _TOY) == pytest.approx(1e-3)
+
+
+def test_gemm_curve_by_flops():
+    """A measured curve: interpolated in log FLOPs, the ends beyond it, a grouped GEMM read at its FLOPs per
+    group."""
+    curve = ((2e3, 0.5), (2e6, 1.0))
+    assert curve_efficiency(2e3 * 10 ** 1.5, curve) == pytest.approx(0.75)
+    assert curve_efficiency(1.0, curve) == 0.5 and curve_efficiency(1e12, curve) == 1.0
+    cpu = dataclasses.replace(_TOY, gemm_curve=curve, compute_units=1, asynchronous=False)
+    grouped = _kernel(flops=4 * 2e3, tiles=(4, 10, 10))
+    assert kernel_seconds(grouped, cpu) == pytest.approx(4 * 2e3 / (1e12 * 0.5))
+
+
+def test_row_wise_occupancy():
+    """A softmax over 2 rows keeps 2 of 4 units busy: its bytes take twice as long; 8 rows fill the device."""
+    assert kernel_seconds(_kernel(OTHER, nbytes=10 ** 6, rows=2), _TOY) == pytest.approx(2e-3)
+    assert kernel_seconds(_kernel(OTHER, nbytes=10 ** 6, rows=8), _TOY) == pytest.approx(1e-3)
+
+
+def test_predict_host_bound_and_device_bound():
+    """Tiny kernels: the host's issue time is the step (5 us a launch plus 1 us a view); large ones hide it."""
+    tiny = [_kernel(OTHER, nbytes=100, host_ops=1)] * 10
+    p = predict(tiny, _TOY)
+    assert p.seconds == pytest.approx(10 * 6e-6 + 100 / 1e9)
+    # the first adds the host's 6 us and its 0.1 us; each later one 6 us, 0.1 of it running, the rest waiting
+    assert p.bound["memory"] == pytest.approx(10 * 100 / 1e9) and p.bound["host"] == pytest.approx(6e-6 + 9 * 5.9e-6)
+    big = [_kernel(OTHER, nbytes=10 ** 6, host_ops=1)] * 10
+    assert predict(big, _TOY).seconds == pytest.approx(6e-6 + 10 * 1e-3)
+    assert predict(big, dataclasses.replace(_TOY, asynchronous=False)).seconds == pytest.approx(10 * (6e-6 + 1e-3))
 
 
 def test_causal_attention_flops():

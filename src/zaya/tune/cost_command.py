@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
             result["predictions"].append({
                 "device": device.name, "compiled": compiled, "step_ms": round(p.seconds * 1e3, 2),
                 "phases_ms": {k: round(v * 1e3, 2) for k, v in p.by_phase.items()}, "launches": p.launches,
+                "host_ms": round(p.host_seconds * 1e3, 2),
                 "mfu": round(mfu(cfg, batch * seq, seq, p.seconds, device.peak_flops["bfloat16" if gpu else
                                                                                        "float32"]), 4),
                 "mfu_without_optimizer": round(mfu(cfg, batch * seq, seq, micro, device.peak_flops[
@@ -74,7 +75,8 @@ def _text(r: dict[str, Any]) -> str:
     for p in r["predictions"]:
         mode = "compiled" if p["compiled"] else "eager"
         phases = ", ".join(f"{k} {v:.1f}" for k, v in p["phases_ms"].items())
-        lines.append(f"\n{p['device']}, {mode}: {p['step_ms']:.1f} ms ({phases}), {p['launches']:,} kernels, "
+        lines.append(f"\n{p['device']}, {mode}: {p['step_ms']:.1f} ms ({phases}), {p['launches']:,} kernels "
+                     f"(the host issues them in {p['host_ms']:.1f} ms), "
                      f"MFU {100 * p['mfu']:.1f} % ({100 * p['mfu_without_optimizer']:.1f} % without the optimizer)")
         for key in ("top_parts_ms", "top_kinds_ms", "bound_ms"):
             label = {"top_parts_ms": "by part", "top_kinds_ms": "by kind", "bound_ms": "bound"}[key]

@@ -5,7 +5,9 @@ FLOPs (matmul, bmm, grouped GEMM, convolution, attention: exact, from ``torch.ut
 formula; every other op 0), the bytes it reads and writes (the sizes and dtypes of its tensor arguments and results),
 the storages it reads and writes (so that a fused variant can drop the intermediates), the model part it runs in
 (``ModuleTracker``: forward and backward) and the phase. Views, allocations and metadata ops launch no kernel and
-are not recorded.
+are not recorded as kernels, but each costs the host a dispatch: a kernel carries the count of those dispatched since
+the previous kernel (``host_ops``), and whether the host read a value back in between (``sync``: it waited for the
+device), for the cost model's host-time model.
 
 ``trace_step`` runs one training step of the model's own code at real shapes under ``zaya.tune.activation_trace``'s
 fake setup, as the trainer does it: forward with labels under autocast, backward, clip, Muon + AdamW, zero_grad.
@@ -36,13 +38,17 @@ aten = torch.ops.aten
 GEMM, ATTENTION, OTHER = "gemm", "attention", "other"
 _PART = "zaya_part"
 
-# Ops that make no kernel: allocation without initialisation, metadata, host reads (their wait is not modelled).
+# Ops that make no kernel: allocation without initialisation, metadata, host reads (each a host dispatch).
 _NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default,
               aten.new_empty_strided.default, aten.empty_like.default, aten.lift_fresh.default,
               aten._local_scalar_dense.default, aten.detach.default, aten.set_.source_Storage_storage_offset,
               aten.resize_.default}
 # Ops that read only the rows they gather (their result's bytes, plus the indices), not the whole source.
 _GATHERS = {aten.embedding.default, aten.index_select.default, aten.index.Tensor, aten.gather.default}
+
+# Row-wise kernels: a GPU runs one thread block per row of the reduced dim (torch's softmax kernels for wide rows).
+_ROW_WISE = {"softmax", "_softmax", "log_softmax", "_log_softmax", "_softmax_backward_data",
+             "_log_softmax_backward_data"}
 
 _SDPA_FORWARD = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 _SDPA_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
@@ -69,6 +75,13 @@ class Kernel:
     """(storage id, bytes) of each tensor read."""
     writes: tuple[tuple[int, int], ...] = ()
     """(storage id, bytes) of each tensor written."""
+    rows: int = 0
+    """Row-wise kernels (the softmax family): the independent rows along which it is split, one thread block each
+    on a GPU; 0 for the rest."""
+    host_ops: int = 0
+    """Ops dispatched since the previous kernel that launch none (views, allocations, host reads)."""
+    sync: bool = False
+    """A host read since the previous kernel: the host waited for the device's queue to drain before issuing it."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -104,6 +117,8 @@ class KernelRecorder(TorchDispatchMode):
         self._next = 0
         self._tracker = ModuleTracker()
         self._last_part = "head and loss"
+        self._host_ops = 0
+        self._sync = False
 
     def _id(self, t: torch.Tensor, fresh: bool) -> int:
         key = t.untyped_storage()._cdata
@@ -142,15 +157,21 @@ class KernelRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default:
             # A host read (Muon's drift checks, a norm): a fake tensor has no value; read "zero", a healthy step's
-            # flags, and count no kernel (the wait it causes is not modelled).
+            # flags; no kernel, but the next kernel is issued after the device's queue drained.
+            self._host_ops += 1
+            self._sync = True
             return args[0].dtype.is_floating_point and 0.0 or (False if args[0].dtype == torch.bool else 0)
         out = func(*args, **kwargs)
-        if func in _NO_KERNEL or func.is_view or func.namespace == "prim":  # prim: metadata (``prim.device``)
+        if func.namespace == "prim":  # metadata a fake tensor asks for (``prim.device``): no dispatch in eager
+            return out
+        if func in _NO_KERNEL or func.is_view:
+            self._host_ops += 1
             return out
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         in_keys = {t.untyped_storage()._cdata for t in inputs}
         if outputs and not func._schema.is_mutable and all(t.untyped_storage()._cdata in in_keys for t in outputs):
+            self._host_ops += 1
             return out  # an alias of an input (``_unsafe_view``, ``alias``): no kernel
         reads = tuple((self._id(t, False), _nbytes(t)) for t in inputs)
         if func in _GATHERS:
@@ -160,9 +181,13 @@ class KernelRecorder(TorchDispatchMode):
         flops, kind, tiles = self._flops(func, args, kwargs, out)
         floats = [t for t in inputs if t.is_floating_point()]
         dtype = str(floats[0].dtype).removeprefix("torch.") if floats else "none"
-        self.kernels.append(Kernel(str(func.overloadpacket.__name__), kind, flops,
-                                   sum(b for _, b in reads) + sum(b for _, b in writes), dtype, self._where(),
-                                   self.phase, tiles, reads, writes))
+        name = str(func.overloadpacket.__name__)
+        rows = 0
+        if name in _ROW_WISE and outputs:
+            rows = outputs[0].numel() // max(1, outputs[0].shape[_arg(func, args, kwargs, "dim", -1)])
+        self.kernels.append(Kernel(name, kind, flops, sum(b for _, b in reads) + sum(b for _, b in writes), dtype,
+                                   self._where(), self.phase, tiles, reads, writes, rows, self._host_ops, self._sync))
+        self._host_ops, self._sync = 0, False
         return out
 
     @staticmethod
