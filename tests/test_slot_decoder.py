@@ -140,3 +140,58 @@ def test_the_compiled_step_equals_the_eager_one_without_recompiling(monkeypatch)
             torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)  # the same ops; fp32 rounding at most
     assert counter.frame_count == 1 and counter.op_count > 0
     torch._dynamo.reset()
+
+
+def test_a_step_padded_to_its_cuda_graph_bucket_equals_the_step():
+    """What a CUDA graph of the compiled step relies on (``zaya.model.decode_graphs``; the graphs themselves need a
+    GPU: benchmarks/gpu_decode.py): the rows padded with idle ones and the span padded with masked keys give the
+    same logits and leave the same KV blocks and CCA state as the step itself; and the bucket choice."""
+    from zaya.model.decode_graphs import DecodeGraphs, bucket, graphs_wanted
+
+    assert [bucket(n, 1, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert [bucket(k, 64, 100) for k in (1, 64, 65, 99)] == [64, 64, 100, 100]
+    assert graphs_wanted(torch.device("cuda", 0)) and not graphs_wanted(torch.device("cpu"))
+    model = tiny_model(num_layers=1).eval()
+    perturb(model, seed=11)
+    lengths = [7, 3, 12]
+    seqs = [torch.randint(0, 97, (n + 6,), generator=torch.Generator().manual_seed(20 + i))
+            for i, n in enumerate(lengths)]
+    decoders = [SlotDecoder(model, 8, 100, block_size=4, prefix_states=True) for _ in range(2)]
+    assert decoders[0]._graphs is None  # not compiled; compiled on a CPU: no graphs either (below)
+    padding = DecodeGraphs(decoders[1]._step, 8, 100, torch.device("cpu"))
+    idle = torch.tensor([False, True, False])  # the middle row sits out the first three steps
+    with torch.no_grad():
+        for dec in decoders:
+            for slot, (n, seq) in enumerate(zip(lengths, seqs)):
+                dec.prefill(slot, seq[:n], 0)
+                dec.ensure(slot, n + 6)
+        positions = torch.tensor(lengths)
+        for i in range(6):
+            tokens = torch.stack([seq[p] for seq, p in zip(seqs, positions.tolist())])
+            step_idle = idle if i < 3 else None
+            keys = int(positions.max()) + 1
+            want = decoders[0].step(tokens, positions, keys, step_idle)
+            rows, span = padding.pad(tokens, positions, keys, step_idle)
+            assert (rows, span) == (4, 64)
+            got = decoders[1]._step(padding.tokens[:rows], padding.positions[:rows], span, padding.idle[:rows],
+                                    False)[:3]
+            # fp32; the padded keys add exact zeros to the softmax, but a longer row may be summed in another order
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+            positions = positions + (~idle if i < 3 else 1)
+    # the same blocks hold the same keys, values and (for full blocks) CCA states; the rows' CCA states are equal
+    final = positions.tolist()
+    assert decoders[0].slot_blocks == decoders[1].slot_blocks
+    held = torch.tensor([b for blocks in decoders[0].slot_blocks for b in blocks])
+    full = torch.tensor([b for blocks, n in zip(decoders[0].slot_blocks, final) for b in blocks[:n // 4]])
+    pool_rows = (held[:, None] * 4 + torch.arange(4)).reshape(-1)
+    for a, b in zip(decoders[0].pages, decoders[1].pages):
+        for x, y, index in ((a.keys, b.keys, pool_rows), (a.values, b.values, pool_rows), (a.conv, b.conv, full),
+                            (a.value, b.value, full)):
+            if x is not None:
+                torch.testing.assert_close(y[index], x[index], rtol=0, atol=1e-6)
+    for a, b in zip(decoders[0].caches, decoders[1].caches):
+        for x, y in ((a.conv_state, b.conv_state), (a.value_state, b.value_state)):
+            if x is not None:
+                torch.testing.assert_close(y[:3], x[:3], rtol=0, atol=1e-6)
+    compiled = SlotDecoder(model, 2, 16, compile=True)
+    assert compiled._compiled is not None and compiled._graphs is None

@@ -28,8 +28,9 @@ With ``compile``, the decode step runs under ``torch.compile`` with dynamic shap
 span, and a second once several rows decode: dynamo specialises a size of 1; inductor fuses the step's many small
 element-wise ops): 1.8-1.9x the eager step at batch 1
 on the tiny shape in fp32 on a CPU (benchmarks/serve.py --compile). Compiling takes minutes on a few CPU cores, so
-callers turn it on where it pays (``zaya serve --compile``). A failed compile logs one warning and the decoder steps
-eagerly from then on.
+callers turn it on where it pays (``zaya serve --compile``). On CUDA/ROCm the compiled step also runs under CUDA
+graphs, one per bucket of rows and attention span (``zaya.model.decode_graphs``). A failed compile logs one warning
+and the decoder steps eagerly from then on; a failed graph capture, compiled without graphs.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from zaya.core.errors import ConfigError
 from zaya.core.units import format_bytes
 from zaya.model.attention import AttentionCache
 from zaya.model.blocks import BlockPool
+from zaya.model.decode_graphs import DecodeGraphs, graphs_wanted
 from zaya.model.layers import _rms_norm, apply_rotary
 from zaya.model.moe import _grouped_mm
 from zaya.model.zaya import DecodeState
@@ -52,6 +54,8 @@ from zaya.model.zaya import DecodeState
 log = logging.getLogger("zaya.model")
 COMPILE_BACKEND = "inductor"
 """The ``torch.compile`` backend of a compiled decode step (tests swap in one that only traces)."""
+CUDA_GRAPHS = True
+"""Whether a compiled decode step on CUDA/ROCm runs under CUDA graphs (a benchmark turns it off to compare)."""
 
 
 class SlotMemoryError(ConfigError):
@@ -281,10 +285,12 @@ class SlotDecoder:
         self._rows = torch.arange(num_slots, device=self.device)
         self._key_index = torch.arange(capacity + 1, device=self.device)
         # dynamic: the attention span grows by one every step and the rows in a step vary; a graph serves them all
-        self._compiled = None
+        self._compiled = self._graphs = None
         if compile:
             use_compile_cache()
             self._compiled = torch.compile(self._step, dynamic=True, backend=COMPILE_BACKEND)
+            if CUDA_GRAPHS and graphs_wanted(device):
+                self._graphs = DecodeGraphs(self._compiled, num_slots, capacity, device)
 
     @staticmethod
     def bytes_needed(model, num_slots: int, capacity: int, dtype: torch.dtype | None = None, block_size: int = 16,
@@ -420,9 +426,16 @@ class SlotDecoder:
         (rows that are not decoding, or None); ``aligned``: every row is at position ``keys - 1`` (a fixed batch
         without padding), so attention needs no mask. Returns the next-token logits [n, V]; advances no length.
         Every decoding row's blocks must cover its position (``ensure``). Runs compiled when the decoder was built
-        with ``compile`` (see ``_compiled_step``)."""
+        with ``compile``, under CUDA graphs on CUDA/ROCm."""
         if keys > self.capacity:
             raise ValueError(f"slot holds {self.capacity} positions; a step needs {keys}")
+        if self._graphs is not None:
+            try:
+                return self._graphs(tokens, positions, keys, idle)
+            except Exception as err:  # noqa: BLE001 - compiling or capturing failed: compiled (or eager) without graphs
+                log.warning("running the decode step in CUDA graphs failed (%s); decoding without them",
+                            failure_cause(err))
+                self._graphs = None
         if self._compiled is not None:
             try:
                 return self._compiled(tokens, positions, keys, idle, aligned)
