@@ -3,12 +3,14 @@
 A ``ZayaForCausalLM`` with configs/zaya1-base.toml's [model] and 4 layers (the full vocabulary), random weights in
 bf16 on the GPU (fp32 in the CPU smoke mode, on the smoke model), served by ``zaya.serve.engine.Engine`` as
 ``zaya serve`` serves: batch 1 and 16 requests of a 128-token random prompt, greedy, ``max_tokens`` new tokens
-each (eos ignored), eager and with the decode step compiled (``Engine(compile=True)``: ``torch.compile`` of the
-slot decoder's step, dynamic shapes). Each (mode, batch) runs once untimed (the compiled one compiles there: its
-time less the timed run's is ``compile_s``), then once timed: ``tokens_per_s`` counts the tokens decoded after
-every request's first token, over the time from that first token to the last (prefill excluded).
-``greedy_agreement`` is the share of the compiled engine's greedy tokens equal to the eager engine's (reported, not
-required: random weights give near-tied logits, which bf16 rounding in another order may flip).
+each (eos ignored), eager, with the decode step compiled (``Engine(compile=True)``: ``torch.compile`` of the
+slot decoder's step, dynamic shapes; CUDA graphs off) and, on a GPU, compiled under CUDA graphs (``zaya serve
+--compile``'s default there: ``zaya.model.decode_graphs``). Each (mode, batch) runs once untimed (the compiled ones
+compile, and capture their graphs, there: that time less the timed run's is ``compile_s``), then once timed:
+``tokens_per_s`` counts the tokens decoded after every request's first token, over the time from that first token
+to the last (prefill excluded). ``greedy_agreement`` is the share of a mode's greedy tokens equal to the eager
+engine's, ``agreement_with_compiled`` the graphs' with the compiled engine's (reported, not required: random weights
+give near-tied logits, which bf16 rounding in another order, or a padded row or span, may flip).
 
 Then prefix caching: a request whose first 1,024 tokens an earlier request computed, on an engine with prefix
 caching against one without (eager, median of 3, a fresh 32-token suffix each time): ``ttft_cached_ms`` and
@@ -62,10 +64,12 @@ def check_decode(ctx: Ctx, r: dict[str, Any]) -> None:
         t2 = time.perf_counter()
         return t1 - t0, batch * (new - 1) / (t2 - t1), [q.output for q in reqs]
 
-    eager_out: dict[int, list[list[int]]] = {}
-    for mode in ("eager", "compiled"):
-        engine = Engine(model, num_slots=16, capacity=prompt_len + new + 8, compile=mode == "compiled")
+    outputs: dict[str, dict[int, list[list[int]]]] = {}
+    for mode in ("eager", "compiled", "graphs") if ctx.cuda else ("eager", "compiled"):
+        slots.CUDA_GRAPHS = mode == "graphs"
+        engine = Engine(model, num_slots=16, capacity=prompt_len + new + 8, compile=mode != "eager")
         part = r[mode] = {}
+        outputs[mode] = {}
         for batch in ((1,) if mode == "compiled" and ctx.level == "smoke" else (1, 16)):
             if ctx.remaining() < 30:
                 part[f"batch_{batch}"] = {"skipped": "no time left in the check's budget"}
@@ -77,21 +81,26 @@ def check_decode(ctx: Ctx, r: dict[str, Any]) -> None:
             t0 = time.perf_counter()
             ttft_s, tok_s, outs = run(engine, batch)
             res = {"tokens_per_s": rnd(tok_s), "ttft_ms": rnd(ttft_s * 1e3)}
-            if mode == "compiled":
+            outputs[mode][batch] = outs
+            if mode != "eager":
                 res["compile_s"] = rnd(first_s - (time.perf_counter() - t0))
-                pairs = [(a, b) for x, y in zip(outs, eager_out.get(batch, [])) for a, b in zip(x, y)]
-                res["greedy_agreement"] = rnd(sum(a == b for a, b in pairs) / max(1, len(pairs)), 3)
+                res["greedy_agreement"] = agreement(outs, outputs["eager"].get(batch, []))
                 res["compiled_in_use"] = engine.decoder._compiled is not None
-            else:
-                eager_out[batch] = outs
+            if mode == "graphs":
+                res["agreement_with_compiled"] = agreement(outs, outputs["compiled"].get(batch, []))
+                res["graphs_in_use"] = engine.decoder._graphs is not None
+                res["graphs_captured"] = len(engine.decoder._graphs.graphs) if res["graphs_in_use"] else 0
             part[f"batch_{batch}"] = res
         if mode == "eager":
             r["tokens_per_s_batch_1"] = part.get("batch_1", {}).get("tokens_per_s")
             r["tokens_per_s_batch_16"] = part.get("batch_16", {}).get("tokens_per_s")
+    slots.CUDA_GRAPHS = True
     for batch in (1, 16):
-        e, c = r["eager"].get(f"batch_{batch}", {}), r["compiled"].get(f"batch_{batch}", {})
-        if e.get("tokens_per_s") and c.get("tokens_per_s"):
-            r[f"compiled_speedup_batch_{batch}"] = rnd(c["tokens_per_s"] / e["tokens_per_s"], 3)
+        e = r["eager"].get(f"batch_{batch}", {})
+        for mode in ("compiled", "graphs"):
+            c = r.get(mode, {}).get(f"batch_{batch}", {})
+            if e.get("tokens_per_s") and c.get("tokens_per_s"):
+                r[f"{mode}_speedup_batch_{batch}"] = rnd(c["tokens_per_s"] / e["tokens_per_s"], 3)
 
     # Prefix caching: the cached prefix's time to first token against computing it.
     shared = torch.randint(3, cfg.vocab_size, (prefix,), generator=g).tolist()
@@ -111,7 +120,16 @@ def check_decode(ctx: Ctx, r: dict[str, Any]) -> None:
              ttft_cached_ms=rnd(1e3 * median(times["cached"][1:])), ttft_cold_ms=rnd(1e3 * median(times["cold"][1:])),
              prefix_hit_rate=rnd(e.prefix_hits / max(1, e.prefix_queried), 3))
     r["prefix_speedup"] = rnd(r["ttft_cold_ms"] / r["ttft_cached_ms"], 3)
-    compiled = [v for v in r["compiled"].values() if "tokens_per_s" in v]
-    r["ok"] = bool(compiled) and all(v["compiled_in_use"] for v in compiled)
+    compiled = [v for mode in ("compiled", "graphs") for v in r.get(mode, {}).values() if "tokens_per_s" in v]
+    graphed = [v for v in r.get("graphs", {}).values() if "tokens_per_s" in v]
+    r["ok"] = bool(compiled) and all(v["compiled_in_use"] for v in compiled) and all(v["graphs_in_use"]
+                                                                                     for v in graphed)
     if not r["ok"]:
-        r["error"] = "the compiled decode step did not run (compiling failed, or no time was left)"
+        r["error"] = ("the compiled decode step, or its CUDA graphs, did not run (compiling or capturing failed, or "
+                      "no time was left)")
+
+
+def agreement(outs: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of the tokens in ``outs`` equal to ``reference``'s at the same place."""
+    pairs = [(a, b) for x, y in zip(outs, reference) for a, b in zip(x, y)]
+    return rnd(sum(a == b for a, b in pairs) / max(1, len(pairs)), 3)
