@@ -91,7 +91,7 @@ limit_for() {
         host_syncs) echo 120 ;;
         model_step) echo 180 ;;
         model_step_deep) echo 200 ;;
-        decode) echo 150 ;;
+        decode) echo 210 ;;
         muon) echo 120 ;;
         moe_block) echo 150 ;;
         parallel_modes) echo 200 ;;
