@@ -57,14 +57,20 @@ def losses(run_dir, key: str = "loss") -> list[float]:
 
 
 def _expert_bytes(trainer) -> dict:
-    """This rank's bytes of expert weights and of their optimizer state (the tensors' own bytes)."""
-    experts = [p for n, p in trainer.parallel.model.named_parameters() if ".experts." in n]
-    ids = {id(p) for p in experts}
-    state = [t for opt in trainer.optimizers for p, s in opt.state.items() if id(p) in ids
+    """This rank's bytes of expert weights and of their optimizer state (the tensors' own bytes: an FSDP2 DTensor's
+    local shard), and its expert tensors."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    named = {n: p for n, p in trainer.parallel.model.named_parameters() if ".experts." in n}
+    ids = {id(p) for p in named.values()}
+    state = [local(t) for opt in trainer.optimizers for p, s in opt.state.items() if id(p) in ids
              for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return {"weights": sum(p.numel() * p.element_size() for p in experts),
+    return {"weights": sum(local(p).numel() * p.element_size() for p in named.values()),
             "state": sum(t.numel() * t.element_size() for t in state),
-            "shards": {n: p.detach().clone() for n, p in trainer.parallel.model.named_parameters() if ".experts." in n}}
+            "shards": {n: local(p).detach().clone() for n, p in named.items()}}
 
 
 def _train(rank: int, world: int, dataset: str, run_dir: str, steps: int, tables: dict) -> dict:
@@ -168,8 +174,9 @@ def hf_source(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # the fast FSDP2 test below starts from these weights at degree 2 too
 def test_init_from_a_hugging_face_directory_at_degree_2(tmp_path, shakespeare_dataset, hf_source):
-    """Two steps on 2 ranks from transformers-made weights at ep = 2: the losses and norms of ep = 1, each rank
+    """Two steps on 2 ranks (ddp) from transformers-made weights at ep = 2: the losses and norms of ep = 1, each rank
     holding half of the experts, filled with its slice of the source's (those of ep = 1, which test_init_from
     compares with the source)."""
     runs = {}
@@ -206,15 +213,45 @@ def test_zaya_train_with_expert_parallel_2_on_two_gloo_ranks(tmp_path, micro_con
     assert len(losses(tmp_path / "run")) == 2
 
 
-def test_a_degree_that_does_not_divide_the_experts_or_works_with_fsdp_is_a_config_error(tmp_path,
-                                                                                         shakespeare_dataset):
+def test_a_degree_that_does_not_divide_the_experts_is_a_config_error(tmp_path, shakespeare_dataset):
     from zaya.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"train.expert_parallel = 3 does not divide model.num_experts = 4.*"
                                           r"one of \[1, 2, 4\]"):
         micro(shakespeare_dataset, tmp_path, 1, train={"expert_parallel": 3})
-    with pytest.raises(ConfigError, match="train.parallel=zero1"):
-        micro(shakespeare_dataset, tmp_path, 1, train={"expert_parallel": 2, "parallel": "fsdp"})
+
+
+@pytest.mark.parametrize("world,init", [(2, True), pytest.param(4, False, marks=pytest.mark.slow)])
+def test_fsdp_with_expert_parallelism_and_its_checkpoint_resumed_under_zero1_at_degree_1(tmp_path, shakespeare_dataset,
+                                                                                       hf_source, world, init):
+    """FSDP2 for the other parameters, the experts at degree 2 outside it: steps 1-2 have the losses and norms of
+    FSDP2 without ep, each rank holds half of the experts (and, Muon's being split over replicas as under ddp, the
+    whole state of its shards); the step-2 checkpoint exports the whole experts and resumes under ZeRO-1 at degree 1
+    with the step-3 loss of FSDP2 without ep. ``init``: every run starts from the transformers-made weights
+    (train.init_from; at degree 2 each rank reads only its experts, under FSDP2 only its shards of the rest)."""
+    from safetensors.torch import load_file
+
+    from zaya.checkpoint.export import export
+
+    def run(name: str, steps: int, ep: int, parallel: str) -> list[dict]:
+        source = {"model": None, "train": {"init_from": str(hf_source)}} if init else {}
+        return _run(shakespeare_dataset, tmp_path / name, world, steps, ep, parallel, "zaya+skip", **source)
+
+    base = run("base", 3, 1, "fsdp")
+    sharded = run("ep", 2, 2, "fsdp")
+    for key in ("loss", "grad_norm"):
+        want, got = losses(tmp_path / "base", key), losses(tmp_path / "ep", key)
+        assert _close(got, want[:2]), (key, got, want)
+    whole = base[0]["weights"] * world  # FSDP2 shards the experts too without ep: each rank 1/world
+    for part in sharded:
+        assert part["weights"] * 2 == whole and part["state"] == part["weights"]
+    out = export(tmp_path / "ep" / "checkpoints" / "step-00000002", tmp_path / "export", format="safetensors")
+    exported = {k: v for file in out.glob("*.safetensors") for k, v in load_file(file).items()}
+    for name in sharded[0]["shards"]:
+        assert torch.equal(exported[name], torch.cat([r["shards"][name] for r in sharded[:2]])), name
+    run("ep", 3, 1, "zero1")
+    assert _close(losses(tmp_path / "ep"), losses(tmp_path / "base")), (losses(tmp_path / "ep"),
+                                                                        losses(tmp_path / "base"))
 
 
 def _dispatch(rank: int, world: int, routes: list) -> dict:

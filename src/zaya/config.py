@@ -328,7 +328,7 @@ class TrainConfig:
     expert_parallel: int = ranged(1, 1, resumable=True)
     """Expert-parallel ranks (ep): consecutive groups of this many ranks split every MoE layer's experts, each rank
     holding num_experts / ep of them, and send each token to its experts' rank and back (all-to-all; docs/training.md,
-    "Expert parallelism"). Must divide the world size and model.num_experts; train.parallel "ddp" or "zero1"."""
+    "Expert parallelism"). Must divide the world size and model.num_experts."""
     activation_checkpointing: bool = resumable(False)
     """Recompute each block's activations in the backward instead of keeping them (long sequences: about one
     extra forward of compute for activation memory of one block plus the block inputs)."""
@@ -625,9 +625,6 @@ class Config:
             fits = [n for n in range(1, self.model.num_experts + 1) if self.model.num_experts % n == 0]
             raise ConfigError(f"train.expert_parallel = {ep} does not divide model.num_experts = "
                               f"{self.model.num_experts}: pass --set train.expert_parallel=N with N one of {fits}")
-        if ep > 1 and self.train.parallel == "fsdp":
-            raise ConfigError(f'train.expert_parallel = {ep} works with train.parallel "ddp" or "zero1", not "fsdp" '
-                              '(not done yet): pass --set train.parallel=zero1, or train.expert_parallel=1')
 
     def stage_context_parallel(self, name: str) -> int:
         """The context-parallel size the stage called ``name`` runs with."""

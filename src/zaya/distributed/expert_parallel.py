@@ -20,11 +20,14 @@ rank that sends or receives nothing still joins every collective, forward and ba
 exchanged tensors). A counts exchange that fails (a rank of the group died, or none answered within the timeout)
 is a ``CollectiveError`` (exit code 6) naming the MoE layer and the group's ranks.
 
-**Gradients.** The expert weights are left out of DDP's all-reduce (``ignored_parameters``); after the last
-micro-batch ``reduce_gradients`` sums each rank's expert gradients over its replica group only and divides by the
-world size (the same mean as DDP's over every rank: a rank's expert gradient already sums its ep group's tokens).
-``clip_gradients`` takes the global norm with the expert part summed over the ep group. Non-expert parameters
-are reduced as before (DDP or ZeRO-1); the routers' balancing counts are the step's global counts as always.
+**Gradients.** The expert weights are left out of DDP's all-reduce (``ignored_parameters``) and of FSDP2's
+sharding (``ignored_params``: plain tensors, whole on their rank); after the last micro-batch
+``reduce_gradients`` sums each rank's expert gradients over its replica group only and divides by the world size
+(the same mean as DDP's and FSDP2's over every rank: a rank's expert gradient already sums its ep group's tokens).
+``clip_gradients`` takes the global norm with the expert part summed over the ep group (and FSDP2's part over
+every rank's shards). Non-expert parameters are reduced as before (DDP, ZeRO-1 or FSDP2); Muon orthogonalises the
+shards a rank holds, its work split over their replica group under DDP and FSDP2 (one owner per shard under
+ZeRO-1); the routers' balancing counts are the step's global counts as always.
 
 **Checkpoints** hold the experts whole (``Consolidated``): saved at one degree, they load at any other, or at none.
 ``train.init_from`` fills each rank's experts only: ``placed`` shows the loader its shards as DTensors over the ep
@@ -137,6 +140,8 @@ class ExpertParallel:
     def clip_gradients(self, params, max_norm: float) -> torch.Tensor:
         """The global gradient norm before clipping (the same on every rank; expert shards' squares summed over the
         ep group) and the gradients scaled by ``max_norm / norm`` where it is smaller than one."""
+        from torch.distributed.tensor import DTensor
+
         mine = {id(p) for p in self.params}
         params = [p for p in params if p.grad is not None]
         grads = [p.grad for p in params]
@@ -144,7 +149,10 @@ class ExpertParallel:
         dense = [p.grad for p in params if id(p) not in mine]
         device = grads[0].device
         total = torch.zeros(2, dtype=torch.float32, device=device)
-        if dense:
+        if dense and isinstance(dense[0], DTensor):  # FSDP2's shards: the norm over every rank's
+            total[0] = torch.nn.utils.get_total_norm(dense).full_tensor()
+            grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        elif dense:
             total[0] = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(dense)))
         if expert:
             total[1] = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(expert)))

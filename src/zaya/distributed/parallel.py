@@ -18,9 +18,10 @@ comm``, defaults otherwise): DDP's and ZeRO-1's gradient bucket size (``bucket_c
 ``reshard_after_forward`` for each block. ``Parallel.describe()`` names them and where they came from (the trainer's
 start-up line).
 
-Under expert parallelism (``train.expert_parallel``, ddp and zero1: ``zaya.distributed.expert_parallel``) each rank
-holds a slice of the experts: DDP leaves those shards out, ZeRO-1 splits their ownership over the ranks that hold
-the same slice (their replica group), and ``finish_gradients`` reduces them over that group.
+Under expert parallelism (``train.expert_parallel``: ``zaya.distributed.expert_parallel``) each rank holds a slice
+of the experts: DDP and FSDP2 leave those shards out (plain tensors, whole on their rank, never FSDP2's DTensors),
+ZeRO-1 splits their ownership over the ranks that hold the same slice (their replica group), and
+``finish_gradients`` reduces them over that group.
 
 A single process (no process group) gets the bare model whichever mode is configured.
 """
@@ -162,8 +163,8 @@ def mixed_precision(dtype: str) -> Any:
 
 
 def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32", experts: Any = None) -> Parallel:
-    """Wrap ``model`` (already on ``runtime.device``) for ``mode`` over the gradient mesh (every rank).
-    ``experts``: an ``ExpertParallel`` that has sharded the model's experts (ddp and zero1 only)."""
+    """Wrap ``model`` (on ``runtime.device``, or on the meta device under fsdp) for ``mode`` over the gradient mesh
+    (every rank). ``experts``: an ``ExpertParallel`` that has sharded the model's experts."""
     if mode not in MODES:
         raise ValueError(f"unknown parallel mode {mode!r}; use one of {', '.join(MODES)}")
     if not runtime.distributed:
@@ -196,7 +197,10 @@ def wrap(model: nn.Module, mode: str, runtime: Runtime, dtype: str = "float32", 
 
     policy = mixed_precision(dtype)
     reshard = profile.fsdp_reshard_after_forward
+    ignored = set(experts.params) if experts is not None else None  # reduced over their replicas only, as above
     for block in model.blocks:
-        fully_shard(block, mesh=runtime.grad_mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=runtime.grad_mesh, mp_policy=policy)  # the root keeps FSDP2's own choice
-    return Parallel(mode, model, model, runtime, settings={"reshard_after_forward": reshard, "source": source})
+        fully_shard(block, mesh=runtime.grad_mesh, mp_policy=policy, reshard_after_forward=reshard,
+                    ignored_params=ignored)
+    fully_shard(model, mesh=runtime.grad_mesh, mp_policy=policy, ignored_params=ignored)  # the root: FSDP2's choice
+    return Parallel(mode, model, model, runtime, settings={"reshard_after_forward": reshard, "source": source},
+                    experts=experts)

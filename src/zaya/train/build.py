@@ -99,7 +99,7 @@ def build_model(config: Config, rt: Runtime, weights_later: bool = False) -> Par
     if not weights_later:
         return wrap(model, tc.parallel, rt, dtype, experts)
     sharded = tc.parallel == "fsdp" and rt.distributed
-    parallel = wrap(model, tc.parallel, rt, dtype) if sharded else None
+    parallel = wrap(model, tc.parallel, rt, dtype, experts) if sharded else None
     model.to_empty(device=rt.device)
     model.rope.reset_parameters()  # derived from the config, never stored
     return parallel if parallel is not None else wrap(model, tc.parallel, rt, dtype, experts)
@@ -124,9 +124,9 @@ def build_optimizers_for(config: Config, parallel: Parallel) -> list[torch.optim
     owned = ParamSplit(parallel.owned(split.muon), parallel.owned(split.adamw_decay),
                        parallel.owned(split.adamw_no_decay))
     ep = parallel.experts
-    if ep is not None:  # the expert shards' Muon: under ddp its work split over their replicas only
+    if ep is not None:  # the expert shards' Muon: under ddp and fsdp its work split over their replicas only
         shards = {id(p) for p in ep.params}
         owned.muon_shards = [(n, p) for n, p in owned.muon if id(p) in shards]
         owned.muon = [(n, p) for n, p in owned.muon if id(p) not in shards]
     return build_optimizers(owned, config.optim, replica_group=parallel.replica_group,
-                            shard_group=ep.replica_group if ep is not None and parallel.mode == "ddp" else None)
+                            shard_group=ep.replica_group if ep is not None and parallel.mode != "zero1" else None)
