@@ -3,10 +3,10 @@ copy with every block and the loss compiled the way the trainer compiles them
 (``zaya.train.compile.CompiledBlocks``), one eager.
 
 One step, for each copy: forward with labels (zaya's cross-entropy: chunked eager, or compiled with the blocks),
-backward, ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW.step()`` (foreach), ``zero_grad()``; in ``--dtype`` (fp32,
-or bf16 autocast with fp32 master weights). The learning rate is 1e-5, so that the routing stays as initialised
-(spread over the experts) through the run: at a real rate, top-1 routing of random tokens collapses onto one
-expert within a few steps, which times a degenerate MoE.
+backward, ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW.step()`` (fused, as the trainer builds it),
+``zero_grad()``; in ``--dtype`` (fp32, or bf16 autocast with fp32 master weights). The learning rate is 1e-5, so
+that the routing stays as initialised (spread over the experts) through the run: at a real rate, top-1 routing of
+random tokens collapses onto one expert within a few steps, which times a degenerate MoE.
 
 Timing: the compiled copy's first step (it compiles the training graphs: dynamo, AOTAutograd, inductor's code
 generation and C++ compile) is timed on its own as ``compile_s``, with the inductor cache in a fresh temporary
@@ -17,6 +17,10 @@ process's CPU time (``*_cpu_s``: with ``--threads 1`` the step's compute, which 
 do not inflate the way they inflate wall time; inductor's compile workers are other processes). Each round waits
 first for a quiet machine (``--quiet-below``, benchmarks/quiet.py). Both copies see the same batches; ``max_loss_rel_diff``
 is the largest relative difference of their losses over every step (fp32: rounding of fused reductions).
+
+``--profile N``: then N compiled steps under torch's profiler, and a JSON line with where their CPU time went:
+inside the compiled regions (forward, backward) and outside them (the rest of the forward and backward: the
+embedding, the head's GEMM, gradient accumulation; the clip; the optimizer), and the top operators by self time.
 
 Shapes: ``tiny`` is configs/tiny.toml's model (d=256, 4 layers, 8 experts, 16 x 128 tokens); ``wide`` doubles
 its width and expert width (d=512, expert 1024, 8 query heads, 8 x 256 tokens).
@@ -39,6 +43,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quiet import wait_quiet  # noqa: E402
@@ -69,15 +74,19 @@ class Copy:
 
     def __init__(self, model: ZayaForCausalLM, dtype: str) -> None:
         self.model, self.dtype = model, dtype
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def step(self, ids: torch.Tensor, labels: torch.Tensor) -> float:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == "bfloat16"):
+        with record_function("forward"), torch.autocast("cpu", dtype=torch.bfloat16,
+                                                        enabled=self.dtype == "bfloat16"):
             loss = self.model(ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("backward"):
+            loss.backward()
+        with record_function("clip"):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        with record_function("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
 
@@ -123,6 +132,7 @@ def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
             times[name].append(seconds)
             cpu[name].append(cpu_seconds)
         diffs.append(abs(losses["compiled"] - losses["eager"]) / abs(losses["eager"]))
+    shares = profile_shares(compiled, [batch_of_tokens() for _ in range(args.profile)]) if args.profile else {}
     eager_s, compiled_s = statistics.median(times["eager"]), statistics.median(times["compiled"])
     eager_cpu, compiled_cpu = statistics.median(cpu["eager"]), statistics.median(cpu["compiled"])
     return {"shape": shape, "dtype": dtype, "backend": args.backend, "tokens": batch * seq,
@@ -132,7 +142,32 @@ def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
             "compiled_cpu_s": round(compiled_cpu, 4), "cpu_speedup": round(eager_cpu / compiled_cpu, 3),
             "eager_times_s": [round(t, 4) for t in times["eager"]],
             "compiled_times_s": [round(t, 4) for t in times["compiled"]],
-            "max_loss_rel_diff": float(f"{max(diffs):.2e}"), "steps": args.steps}
+            "max_loss_rel_diff": float(f"{max(diffs):.2e}"), "steps": args.steps, **shares}
+
+
+def profile_shares(copy_: Copy, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Shares of the compiled copy's CPU time over ``batches`` (one step each): in its compiled regions (dynamo's
+    "Torch-Compiled Region" forward, AOTAutograd's "CompiledFunctionBackward"), the rest of each phase, and the
+    top operators by self time."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for ids, labels in batches:
+            copy_.step(ids, labels)
+    events = prof.key_averages()
+    total = {e.key: e.cpu_time_total for e in events}
+    compiled_fwd = sum(v for k, v in total.items() if k.startswith("Torch-Compiled Region"))
+    compiled_bwd = total.get("CompiledFunctionBackward", 0.0)
+    parts = {"compiled forward": compiled_fwd, "eager forward": total["forward"] - compiled_fwd,
+             "compiled backward": compiled_bwd, "eager backward": total["backward"] - compiled_bwd,
+             "clip": total["clip"], "optimizer": total["optimizer"]}
+    step = sum(parts.values())
+    self_time: dict[str, float] = {}
+    for e in events:  # inductor's generated code runs as "## Call CompiledFxGraph <hash> ##"
+        key = "inductor's kernels" if e.key.startswith("## Call CompiledFxGraph") else e.key
+        self_time[key] = self_time.get(key, 0.0) + e.self_cpu_time_total
+    top = sorted(self_time.items(), key=lambda kv: -kv[1])[:8]
+    return {"profile_steps": len(batches), "step_cpu_s": round(step / 1e6 / len(batches), 4),
+            "shares": {k: round(v / step, 3) for k, v in parts.items()},
+            "top_self": {k: round(v / step, 3) for k, v in top}}
 
 
 def main() -> None:
@@ -143,6 +178,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: a smoke test)")
+    parser.add_argument("--profile", type=int, default=0, help="then profile this many compiled steps")
     parser.add_argument("--cache-dir", default="", help="inductor cache directory (default: a fresh temporary one)")
     parser.add_argument("--quiet-below", type=float, default=0.1,
                         help="before each round, wait up to 30 s until other processes use at most this CPU share")

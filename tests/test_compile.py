@@ -156,7 +156,7 @@ def test_the_compile_benchmark_reports_both_steps(monkeypatch, capsys):
     monkeypatch.setenv(CACHE_ENV, "")  # the script sets it too
     machine, row, final = run_benchmark(monkeypatch, capsys, "compile.py", "--shapes", "micro", "--backend",
                                         "aot_eager", "--steps", "2", "--warmup", "0", "--threads", "1",
-                                        "--quiet-below", "1")
+                                        "--quiet-below", "1", "--profile", "1")
     assert machine["machine"] and machine["threads"] == 1
     assert row["shape"] == "micro" and row["dtype"] == "fp32" and row["backend"] == "aot_eager", row
     assert len(row["eager_times_s"]) == len(row["compiled_times_s"]) == 2 and row["speedup"] > 0, row
@@ -164,4 +164,8 @@ def test_the_compile_benchmark_reports_both_steps(monkeypatch, capsys):
     # The ratio of the unrounded medians; the printed ones are rounded to 1e-4 s (steps of tens of ms here).
     assert abs(row["speedup"] - row["eager_step_s"] / row["compiled_step_s"]) <= 0.01 * row["speedup"], row
     assert row["max_loss_rel_diff"] < 1e-5, row  # the same steps (aot_eager: aten's decompositions' rounding)
+    shares = row["shares"]  # the profiled step's parts: each there, together the whole
+    assert set(shares) == {"compiled forward", "eager forward", "compiled backward", "eager backward", "clip",
+                           "optimizer"} and shares["compiled forward"] > 0 and shares["compiled backward"] > 0, row
+    assert abs(sum(shares.values()) - 1) < 0.01 and row["top_self"], row
     assert final == {"final": True, "speedups": {"micro/fp32": row["speedup"]}, "target": 1.3, "target_met": False}
