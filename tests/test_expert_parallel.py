@@ -369,3 +369,51 @@ def test_an_exchange_with_a_lost_rank_is_a_collective_error_naming_the_layer_and
     error = results[0].error or ""
     assert results[0].exit_code == 6, error
     assert "CollectiveError: the expert all-to-all of blocks.0" in error and "ranks [0, 1]" in error, error
+
+
+def _hung_peer(rank: int, world: int, dataset: str, root: str, what: str) -> None:
+    """Rank 1 stops answering at its first exchange ``what`` (until rank 0 has given up, then it leaves); rank 0
+    takes the step and writes how long it took. The ep groups wait 5 s (the runtime's timeout: they take it), the
+    default group 60 s."""
+    import dataclasses
+    import time
+
+    import zaya.distributed.expert_parallel as expert_parallel
+    from zaya.distributed.runtime import start
+    from zaya.train.trainer import Trainer
+
+    done = Path(root) / "rank0-gave-up"
+    if rank == 1:
+        real = expert_parallel.all_to_all
+
+        def hang(x, recv, send, group, where, w):
+            if w == what:
+                for _ in range(600):  # at most a minute
+                    if done.exists():
+                        break
+                    time.sleep(0.1)
+                os._exit(0)
+            return real(x, recv, send, group, where, w)
+
+        expert_parallel.all_to_all = hang
+    rt = dataclasses.replace(start(timeout_s=60, startup_timeout_s=60), timeout_s=5.0)
+    trainer = Trainer.build(micro(dataset, root, 2, train={"expert_parallel": 2}), rt, resume="never")
+    began = time.monotonic()
+    try:
+        trainer.step()
+    finally:
+        done.write_text(f"{time.monotonic() - began:.1f}")
+
+
+@pytest.mark.parametrize("what,layer", [("rows out", "blocks.0"), ("rows back, backward", "blocks.1")])
+def test_a_peer_hung_after_the_counts_exchange_is_a_collective_error_naming_the_exchange(tmp_path, shakespeare_dataset,
+                                                                                        what, layer):
+    """A peer that went through the layer's counts exchange, then stops answering in the rows' forward exchange or
+    in the backward's (the last layer's, the first exchanged there): within the ep group's timeout a
+    CollectiveError (exit code 6) naming the layer, the exchange and the ep group's ranks."""
+    results = run_ranks(_hung_peer, 2, str(shakespeare_dataset), str(tmp_path), what, timeout_s=120)
+    error = results[0].error or ""
+    assert results[0].exit_code == 6, error
+    assert f"CollectiveError: the expert all-to-all of {layer}" in error and "ranks [0, 1]" in error, error
+    assert f"ranks [0, 1]), {what}, did not complete" in error, error
+    assert float((tmp_path / "rank0-gave-up").read_text()) < 30  # the ep group's 5 s, not the default group's 60

@@ -14,11 +14,13 @@ host together: ``all_to_all_single`` with variable splits takes Python lists, so
 (every step's forward, and again in a recomputed forward under activation checkpointing; the backward reuses the
 forward's splits). The rows then go to their experts' ranks with one ``all_to_all_single``, are regrouped by local
 expert (a stable sort: source rank order within an expert), run through ``Experts.run_grouped`` and come back with
-a second ``all_to_all_single``; the autograd versions of both (``torch.distributed._functional_collectives``, as
-torchtitan uses, traceable) send the gradients the opposite way. Dropless: every routed assignment is computed. A
-rank that sends or receives nothing still joins every collective, forward and backward (its outputs depend on the
-exchanged tensors). A counts exchange that fails (a rank of the group died, or none answered within the timeout)
-is a ``CollectiveError`` (exit code 6) naming the MoE layer and the group's ranks.
+a second ``all_to_all_single``; both are ``Exchange``s (torch's functional collective, as torchtitan uses, in an
+autograd function), whose backward sends the gradients the opposite way. Dropless: every routed assignment is
+computed. A rank that sends or receives nothing still joins every collective, forward and backward (its outputs
+depend on the exchanged tensors). Every exchange of a layer (the counts, the rows out and back, and the rows'
+backward) is waited for where it is issued, so one that fails (a rank of the group died, or none answered within the
+timeout) is a ``CollectiveError`` (exit code 6) naming the MoE layer, the exchange and the group's ranks, not a
+bare backend timeout somewhere later in the step.
 
 **Gradients.** The expert weights are left out of DDP's all-reduce (``ignored_parameters``) and of FSDP2's
 sharding (``ignored_params``: plain tensors, whole on their rank); after the last micro-batch
@@ -209,8 +211,6 @@ class Dispatch:
 
     def __call__(self, experts: nn.Module, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
                  ) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd as exchange
-
         n, k = chosen.shape
         e, size, held = experts.num_experts, self.size, self.held
         flat = chosen.reshape(-1)
@@ -222,25 +222,58 @@ class Dispatch:
             dist.all_to_all_single(incoming, counts, group=self.group)
             host = torch.cat((counts, incoming)).tolist()  # the layer's one host read: the splits
         except RuntimeError as exc:
-            raise CollectiveError(
-                f"the expert all-to-all of {self.where} did not complete ({type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}): a rank of that group died, hung "
-                "or could not be reached within train.timeout_s. Check the other ranks' logs; resume from the newest "
-                "checkpoint once every node is healthy") from exc
+            raise lost(self.where, "counts", exc) from exc
         send = [sum(host[r * held:(r + 1) * held]) for r in range(size)]
         recv = [sum(host[e + s * held:e + (s + 1) * held]) for s in range(size)]
         per_expert = [sum(host[e + s * held + j] for s in range(size)) for j in range(held)]
         routed, received = sum(send), sum(recv)
         dest = order[:routed]  # the skip class sorts last and is cut: handled here, never sent
-        rows = exchange(x.index_select(0, dest // k), recv, send, self.group)
+        rows = Exchange.apply(x.index_select(0, dest // k), recv, send, self.group, self.where, "rows out")
         # Regroup by held expert (the rows come grouped by source rank, then expert), compute, and undo it.
         key = torch.arange(held, device=flat.device).repeat(size)
         perm = torch.argsort(key.repeat_interleave(incoming, output_size=received), stable=True)
         y_sorted = experts.run_grouped(rows.index_select(0, perm), incoming.view(size, held).sum(0), per_expert)
         y = torch.zeros_like(y_sorted).index_copy(0, perm, y_sorted)
-        back = exchange(y, send, recv, self.group)
+        back = Exchange.apply(y, send, recv, self.group, self.where, "rows back")
         mixed = back * weights.reshape(-1).index_select(0, dest).to(y.dtype)[:, None]
         out = y.new_zeros(n * k, y.shape[1]).index_copy(0, dest, mixed)
         if not routed:  # keep the exchanges' backward and the mixing weights in the graph on this rank too
             out = out + (back.sum() + weights.sum().to(y.dtype)) * 0
         return out.view(n, k, -1).sum(1) if k > 1 else out
+
+
+class Exchange(torch.autograd.Function):
+    """``all_to_all_single`` of rows (``recv[r]`` rows come from rank ``r`` of the group, ``send[r]`` go to it) whose
+    backward sends the gradients the opposite way; each direction waits for its exchange where it is issued, so that
+    a peer that stops answering is reported as the layer's (``where``) exchange ``what``, forward or backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, recv: list[int], send: list[int], group: Any, where: str, what: str
+                ) -> torch.Tensor:
+        ctx.args = (send, recv, group, where, f"{what}, backward")
+        return all_to_all(x, recv, send, group, where, what)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_to_all(grad.contiguous(), *ctx.args), None, None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, recv: list[int], send: list[int], group: Any, where: str, what: str) -> torch.Tensor:
+    """One variable-split exchange over ``group``, waited for (torch's functional collective, as torchtitan uses);
+    a failure or a timeout is ``lost``'s CollectiveError."""
+    from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
+
+    try:
+        return wait_tensor(all_to_all_single(x, recv, send, group))
+    except RuntimeError as exc:
+        raise lost(where, what, exc) from exc
+
+
+def lost(where: str, what: str, exc: BaseException) -> CollectiveError:
+    """The error of an expert exchange that did not complete: the layer and its ep group's ranks (``where``), the
+    exchange (``what``: counts, rows out, rows back, or a backward) and the backend's first line."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return CollectiveError(
+        f"the expert all-to-all of {where}, {what}, did not complete ({type(exc).__name__}: {first}): a rank of that "
+        "group died, hung or could not be reached within train.timeout_s. Check the other ranks' logs; resume from "
+        "the newest checkpoint once every node is healthy")
