@@ -174,15 +174,17 @@ def hf_source(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.slow  # the fast FSDP2 test below starts from these weights at degree 2 too
-def test_init_from_a_hugging_face_directory_at_degree_2(tmp_path, shakespeare_dataset, hf_source):
-    """Two steps on 2 ranks (ddp) from transformers-made weights at ep = 2: the losses and norms of ep = 1, each rank
-    holding half of the experts, filled with its slice of the source's (those of ep = 1, which test_init_from
-    compares with the source)."""
+@pytest.mark.slow  # the fast FSDP2 test below starts from the transformers-made weights at degree 2 too
+@pytest.mark.parametrize("source", ["hf_source", "micro_run"])
+def test_init_from_at_degree_2(tmp_path, shakespeare_dataset, request, source):
+    """Two steps on 2 ranks (ddp) at ep = 2 from transformers-made weights, or from a zaya run's training checkpoint
+    (read through DCP's planner): the losses and norms of ep = 1, each rank holding half of the experts, filled with
+    its slice of the source's (those of ep = 1, which test_init_from compares with the source)."""
+    path = str(request.getfixturevalue(source))
     runs = {}
     for ep in (1, 2):
         runs[ep] = _run(shakespeare_dataset, tmp_path / str(ep), 2, 2, ep, "ddp", "zaya", model=None,
-                        train={"init_from": str(hf_source), "max_steps": 2})
+                        train={"init_from": path, "max_steps": 2})
     for key in ("loss", "grad_norm"):
         want, got = losses(tmp_path / "1", key), losses(tmp_path / "2", key)
         assert len(got) == 2 and _close(got, want), (key, got, want)

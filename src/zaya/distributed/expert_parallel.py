@@ -112,7 +112,7 @@ class ExpertParallel:
         """``state`` (a model state dict by qualified name) with each expert shard as a DTensor of the whole
         [E, ...] stack over the ep group (``Shard(0)``: this rank's slice), sharing the shard's storage: readers
         that place DTensors (DCP's planner, ``train.init_from``'s safetensors slices) then fill only this rank's
-        experts, as they fill FSDP2's shards (collective the first time: it builds the ep group's mesh)."""
+        experts, as they fill FSDP2's shards (a mesh over the ep group, built once from it: nothing collective)."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor, Shard
 
