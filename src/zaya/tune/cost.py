@@ -4,7 +4,7 @@ Two clocks, the host's and the device's. Every op the step dispatches costs the 
 kernel ``launch_s`` (Python, dispatcher, launch), one that launches none ``host_op_s`` (views, allocations,
 metadata). A kernel runs on the device for ``max(FLOPs / (peak x efficiency), bytes / (bandwidth x efficiency))``,
 starting when the host has issued it and the device has finished the previous one: on a GPU the host runs ahead of
-a busy device and its time hides, and a device waiting on a host that issues small kernels is launch-bound; a host
+a busy device and its time hides, and a device waiting on a host that issues small kernels is host-bound; a host
 read (``.item()``) makes the host wait for the device. On a CPU (``asynchronous`` False) the two add up. The step
 is the later clock; each kernel is charged what it adds to it. The compiled variant (``train.compile``: each block
 compiled) fuses every run of non-GEMM kernels of one block's forward or backward between two GEMMs / attention
@@ -14,9 +14,10 @@ once, and the ops that launch nothing cost the host nothing.
 GEMM efficiency by shape: a large GEMM reaches ``gemm_efficiency`` of the peak. On a GPU a smaller one loses to
 wave quantisation (its output tiles, ``tile``, spread over the compute units: a last, partial wave idles the rest;
 a grouped GEMM's tiles counted per group, at its rows per group), and a skinny one is bound by its bytes (the
-memory roofline). A row-wise kernel (softmax: one thread block per row) with fewer rows than compute units leaves
-the rest idle and draws only their share of the bandwidth. On a CPU the profile carries the measured efficiency of square GEMMs by size (``gemm_curve``): a
-GEMM runs at that of the square one of its FLOPs (per group for a grouped one).
+memory roofline). On a CPU the profile carries the measured rates of square GEMMs by size (``gemm_curve``): a GEMM
+runs at that of the square one of its FLOPs (per group for a grouped one). A row-wise kernel (softmax: one thread
+block per row on a GPU) with fewer rows than compute units leaves the rest idle, the busy ones drawing only their
+share of the bandwidth.
 
 Device numbers (``DEVICES``) are the vendors' datasheet peaks; the efficiencies and host costs are stated figures
 from published measurements of other software, not fitted to zaya's figures (``benchmarks/cost_model.py`` validates
