@@ -1,7 +1,9 @@
 """Expert parallelism through the trainer on gloo ranks: per-step losses with train.expert_parallel = N equal those
-of the same ranks without it (the ZAYA1 router with and without the skip class, the linear router; DDP and ZeRO-1;
-2 and 4 ranks), each rank holds 1/N of the experts and of their optimizer state, a checkpoint saved at one degree
-resumes at another and at none with the same next losses, the CLI runs it, and the config refuses what cannot work.
+of the same ranks without it (the ZAYA1 router with and without the skip class, the linear router; DDP, ZeRO-1 and
+FSDP2; 2 and 4 ranks; from random weights and through train.init_from), each rank holds 1/N of the experts and of
+their optimizer state, a checkpoint saved at one degree resumes at another and at none with the same next losses,
+the CLI runs it, the config refuses what cannot work, and a lost or hung peer in any of a layer's exchanges is a
+CollectiveError naming the layer, the exchange and the ranks.
 
 fp32 throughout; losses are compared to 1e-5 relative (the targets' tolerance): the expert-parallel run computes the
 same products, but sums each expert's weight gradient over rows from several ranks in another order, and the gradient
