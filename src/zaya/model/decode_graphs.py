@@ -80,17 +80,20 @@ class DecodeGraphs:
 
     def _capture(self, rows: int, span: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         inputs = (self.tokens[:rows], self.positions[:rows], span, self.idle[:rows], False)
-        resting = torch.ones(rows, dtype=torch.bool, device=self.tokens.device)
+        idle = self.idle[:rows].clone()
+        self.idle[:rows] = True  # the warm-up's rows all idle: it writes only the null block and scratch column
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):  # every row idle: compiles and initialises, writes only the null block
-                self.step(self.tokens[:rows], torch.zeros_like(self.positions[:rows]), span, resting, False)
+            for _ in range(2):  # compiles for these shapes, initialises the libraries' handles
+                self.step(*inputs)
         torch.cuda.current_stream().wait_stream(side)
+        self.idle[:rows] = idle
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()  # graphs replay one at a time: they share one pool
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a server's other threads may use the device meanwhile (capture checks only this one)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.step(*inputs)
         self.graphs[rows, span] = graph, out
         return graph, out
