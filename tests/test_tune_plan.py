@@ -232,6 +232,8 @@ def test_expert_parallel_degree_smallest_that_fits(heavy_plan):
     odd = _ep_plan(config, dataclasses.replace(hw, gpus=3, gpu_memory_gib=_memory_between(rows[2]["peak"],
                                                                                             rows[1]["peak"])))
     assert [r["ep"] for r in odd["degrees"]] == [1] and odd["recommended"] is None
+    fsdp = _ep_plan(_small(*HEAVY, "train.parallel=fsdp"), hw)  # FSDP2 shards the experts already
+    assert [r["ep"] for r in fsdp["degrees"]] == [1] and "under fsdp degree 1 alone" in fsdp["reason"]
 
 
 def test_expert_parallel_share_bound_and_pricing(heavy_plan, tmp_path):

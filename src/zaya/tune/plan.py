@@ -29,8 +29,9 @@ and for each parallel mode (ddp, zero1, fsdp), with and without activation check
   multi-node job, where it crosses the node's fabric instead; not overlapped with compute in zaya).
 * **The expert-parallel degree to use** (``expert_parallel_plan``, per stage): for every degree that divides both
   ``model.num_experts`` and the GPU count, the peak memory per GPU at the stage's micro-batch (under
-  ``train.parallel``, or zero1 when that is fsdp, which expert parallelism does not take; the config's activation
-  checkpointing and the stage's context parallelism) and the all-to-all's time per step: its bytes
+  ``train.parallel`` ddp or zero1, the config's activation checkpointing and the stage's context parallelism; under
+  fsdp degree 1 alone: FSDP2 already shards the experts over every rank, so a degree saves no memory there) and
+  the all-to-all's time per step: its bytes
   (``all_to_all_bytes_per_step``) priced from the measured all-to-all curve of the hardware profile
   (``--hardware-profile``, or the visible GPU's profile, where ``zaya tune comm`` wrote one: bus bandwidth at the
   message size one layer's exchange sends), else at ``--net-gbps``; the row says which. **The rule**: the smallest
@@ -413,13 +414,13 @@ def expert_parallel_plan(config: Config, hw: Hardware, st: StageShape, step_seco
     """Memory and all-to-all time per GPU at every candidate expert-parallel degree of one stage, and the degree
     the module docstring's rule recommends (``recommended``, None when none qualifies, ``reason`` either way)."""
     tc, mc = config.train, config.model
-    mode = tc.parallel if tc.parallel in ("ddp", "zero1") else "zero1"
-    ac = tc.activation_checkpointing
+    mode, ac = tc.parallel, tc.activation_checkpointing
     compute_bytes = 2 if compute_dtype(tc.dtype, "cuda") == "bfloat16" else 4
     micro_tokens = st.micro_batch * st.seq_len // st.cp
     micro_batches = st.global_batch_tokens / hw.gpus / micro_tokens
     rows = []
-    for ep in (d for d in range(1, hw.gpus + 1) if mc.num_experts % d == 0 and hw.gpus % d == 0):
+    top = 1 if mode == "fsdp" else hw.gpus  # FSDP2 shards the experts over every rank already: no degree saves memory
+    for ep in (d for d in range(1, top + 1) if mc.num_experts % d == 0 and hw.gpus % d == 0):
         m = memory_plan(config, gpus=hw.gpus, parallel=mode, micro_batch=st.micro_batch, seq_len=st.seq_len,
                         cp=st.cp, activation_checkpointing=ac, reshard_after_forward=reshard,
                         budget_bytes=hw.budget_bytes, ep=ep)
@@ -447,6 +448,9 @@ def expert_parallel_plan(config: Config, hw: Hardware, st: StageShape, step_seco
                   f"degree {fitting[0]['ep']} fits ({where}) but its all-to-all takes "
                   f"{fitting[0]['share_of_step']:.0%} of the step, over the {bound:.0%} bound: a faster fabric, a "
                   "larger micro-batch per exchange or more memory per GPU (degree 1) would serve better")
+    if mode == "fsdp":
+        reason += ("; under fsdp degree 1 alone is planned: FSDP2 already shards the experts over every rank, so a "
+                   "degree saves no memory (it trades their per-block gathers for the all-to-all, not priced here)")
     return {"parallel": mode, "activation_checkpointing": ac, "cp": st.cp, "share_bound": bound, "degrees": rows,
             "recommended": pick["ep"] if pick else None, "reason": reason}
 
