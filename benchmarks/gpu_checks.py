@@ -35,7 +35,7 @@ from gpu_common import (ROOT, CheckTimeout, Ctx, clean, cpu_bf16_gflops, error_t
 from gpu_predict import add_moe_block_prediction
 
 CHECKS = ("train_small", "parallel_modes", "host_syncs", "flash_attention", "grouped_mm_vs_loop", "moe_block",
-          "model_step", "model_step_deep", "muon", "fused_norm", "decode")
+          "model_step", "model_step_deep", "muon", "fused_norm", "decode", "expert_parallel")
 
 # Leave this much of a check's budget for reading results and printing the JSON line after a subprocess.
 MARGIN_S = 15.0
@@ -311,6 +311,10 @@ def _load(name: str) -> Callable[[Ctx, dict[str, Any]], None]:
         from gpu_decode import check_decode
 
         return check_decode
+    if name == "expert_parallel":
+        from gpu_expert_parallel import check_expert_parallel
+
+        return check_expert_parallel
     if name == "muon":
         import gpu_kernels
         from gpu_predict import add_muon_prediction

@@ -21,7 +21,7 @@ cd "$ROOT" || exit 2
 # Most valuable first (the budget skips what no longer fits): the step eager and compiled, the deep model's MFU, the
 # trainer training, the kernels against their torch paths, decode; then what an earlier run already measured.
 ALL=(model_step model_step_deep train_small fused_norm decode muon moe_block host_syncs flash_attention
-     grouped_mm_vs_loop parallel_modes)
+     grouped_mm_vs_loop parallel_modes expert_parallel)
 PY="${PY:-$ROOT/.venv/bin/python}"
 QUICK="${QUICK:-0}"
 DEVICE="${DEVICE:-cuda}"
@@ -95,6 +95,7 @@ limit_for() {
         muon) echo 120 ;;
         moe_block) echo 150 ;;
         parallel_modes) echo 200 ;;
+        expert_parallel) echo 240 ;;
         train_small) echo 260 ;;
         *) echo 120 ;;
     esac
