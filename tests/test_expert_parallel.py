@@ -259,7 +259,10 @@ def test_fsdp_with_expert_parallelism_and_its_checkpoint_resumed_under_zero1_at_
 
 
 def _dispatch(rank: int, world: int, routes: list) -> dict:
-    """One MoE experts call through the ep dispatcher and through the whole experts, on the same tokens."""
+    """One MoE experts call through the ep dispatcher (eager and compiled) and through the whole experts, on the same
+    tokens."""
+    from torch._dynamo.utils import counters
+
     from zaya.config import ModelConfig
     from zaya.distributed.expert_parallel import ExpertParallel
     from zaya.distributed.runtime import start
@@ -270,16 +273,19 @@ def _dispatch(rank: int, world: int, routes: list) -> dict:
     torch.manual_seed(0)
     whole = Experts(cfg)
     whole.reset_parameters(0.1, 0.1)
-    sharded = Experts(cfg)
-    sharded.load_state_dict(whole.state_dict())
+    sharded, compiled = Experts(cfg), Experts(cfg)
     ep = ExpertParallel(start(device="cpu"), world)
-    ep.shard(sharded)
+    for module in (sharded, compiled):
+        module.load_state_dict(whole.state_dict())
+        ep.shard(module)
     torch.manual_seed(1 + rank)
     chosen = torch.tensor(routes[rank])
     x = torch.randn(chosen.shape[0], 16, requires_grad=True)
     w = torch.rand(chosen.shape, requires_grad=True)
     results = {}
-    for name, module in (("whole", whole), ("ep", sharded)):
+    # under torch.compile (aot_eager traces what inductor would get): a graph break at the split lists' host read
+    for name, module in (("whole", whole), ("ep", sharded),
+                         ("compiled", torch.compile(compiled, backend="aot_eager", dynamic=False))):
         out = module(x, chosen, w)
         (out * torch.linspace(-1, 1, 16)).sum().backward()
         results[name] = {"out": out.detach(), "x": x.grad.clone(), "w": w.grad.clone()}
@@ -289,7 +295,9 @@ def _dispatch(rank: int, world: int, routes: list) -> dict:
     held = 4 // world
     full = [g.view_as(p)[rank * held:(rank + 1) * held] for g, p in
             zip(grads.split([whole.gate_up_proj.numel(), whole.down_proj.numel()]), (whole.gate_up_proj, whole.down_proj))]
-    results["weight_grads"] = [(f, p.grad) for f, p in zip(full, (sharded.gate_up_proj, sharded.down_proj))]
+    results["graphs"] = counters["stats"]["unique_graphs"]
+    results["weight_grads"] = [(f, p.grad) for m in (sharded, compiled)
+                               for f, p in zip(full, (m.gate_up_proj, m.down_proj))]
     return results
 
 
@@ -301,7 +309,9 @@ def _dispatch(rank: int, world: int, routes: list) -> dict:
 def test_the_dispatcher_gives_the_whole_experts_outputs_and_gradients(routes):
     for r in run_ok(_dispatch, 2, routes):
         for key in ("out", "x", "w"):
-            torch.testing.assert_close(r["ep"][key], r["whole"][key], rtol=1e-6, atol=1e-6)
+            for name in ("ep", "compiled"):
+                torch.testing.assert_close(r[name][key], r["whole"][key], rtol=1e-6, atol=1e-6)
+        assert r["graphs"] >= 2, r["graphs"]  # compiled, in pieces around the host read
         for want, got in r["weight_grads"]:  # None: no row reached this rank (reduce_gradients counts it zero)
             torch.testing.assert_close(torch.zeros_like(want) if got is None else got, want, rtol=1e-6, atol=1e-6)
 
