@@ -56,6 +56,7 @@ ROUTERS = {"zaya": ["model.router=zaya", "model.router_skip_expert=false"],
 def rank_main(out: Path, profile: tuple[int, int] | None, overrides: list[str]) -> None:
     """One rank's training run (under torchrun); writes rank-<r>.json with its expert bytes (and profile)."""
     import torch
+    from torch.distributed.tensor import DTensor
 
     from zaya.config import load_config
     from zaya.train.callbacks import Callback
@@ -89,10 +90,14 @@ def rank_main(out: Path, profile: tuple[int, int] | None, overrides: list[str]) 
             if self.prof is not None:  # fewer steps than the profile's last
                 self.prof.__exit__(None, None, None)
                 self.prof = None
+            def local(t: torch.Tensor) -> torch.Tensor:  # an FSDP2 DTensor's own shard, not its whole size
+                return t.to_local() if isinstance(t, DTensor) else t
+
             experts = [p for n, p in trainer.parallel.model.named_parameters() if ".experts." in n]
             ids = {id(p) for p in experts}
-            state = [t for opt in trainer.optimizers for p, s in opt.state.items() if id(p) in ids
+            state = [local(t) for opt in trainer.optimizers for p, s in opt.state.items() if id(p) in ids
                      for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+            experts = [local(p) for p in experts]
             result["weights"] = sum(p.numel() * p.element_size() for p in experts)
             result["state"] = sum(t.numel() * t.element_size() for t in state)
 

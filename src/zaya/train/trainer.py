@@ -219,7 +219,7 @@ class Trainer:
         self.log(f"zaya train: {n_params:,} parameters, {rt.world_size} rank(s) ({tc.parallel}, dp {rt.dp_size} x "
                  f"cp {rt.cp_size}, {rt.device.type}), {train_tokens:,} train tokens ({', '.join(self.datasets)}), "
                  f"{len(self.schedule.stages)} stage(s), dtype {dtype}{' (auto)' if tc.dtype == 'auto' else ''}"
-                 f"{', blocks compiled' if self.compiled is not None else ''}, peak {self.peak_flops / 1e12:.2f} "
+                 f"{', blocks and loss compiled' if self.compiled is not None else ''}, peak {self.peak_flops / 1e12:.2f} "
                  f"TFLOP/s ({self.peak_source}); run dir {self.run_dir}"
                  + (f"; collectives: {self.parallel.describe()}" if self.parallel.describe() else ""))
 
