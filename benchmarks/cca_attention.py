@@ -45,7 +45,14 @@ fp32 unless ``--dtype`` says otherwise, 2 repeats (a smoke test of the whole pat
 ``--profile``: print a ``torch.profiler`` table of one ``ours_cca`` and one ``hf_cca`` iteration per (shape, dtype)
 to stderr.
 
-Run: ``.venv/bin/python benchmarks/cca_attention.py [--shapes base,tiny] [--dtype fp32,bf16] [--repeats N]``.
+``--convolutions`` (issue 36): instead, the CCA convolutions alone, forward + backward, eager: the model's own
+path (``Attention._convolutions``: 2-D convolutions over a height-1 channels-last image) against
+``taps_convolutions`` (explicit taps over time, elementwise and batched matmuls that inductor can fuse), at
+``--tokens`` tokens in ``CONV_BATCH`` sequences per shape, every dtype at full length; their output and every
+gradient are checked to agree (``TOLERANCE``) before the timing, one JSON line per (shape, dtype).
+
+Run: ``.venv/bin/python benchmarks/cca_attention.py [--shapes base,tiny] [--dtype fp32,bf16] [--repeats N]
+[--threads N] [--convolutions]``.
 """
 
 from __future__ import annotations
@@ -257,6 +264,81 @@ def profile(case: Case, label: str) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), file=sys.stderr)
 
 
+# ------------------------------------------------------------------------------------------------ convolutions
+def taps_convolutions(att: Attention, packed: torch.Tensor) -> torch.Tensor:
+    """Issue 36's candidate for ``Attention._convolutions`` (same contract: [B, C, reach + T] with history first, a
+    view of token-major [B, T, C] memory, to [B, C, T]): both convolutions as explicit taps over time in plain
+    tensor arithmetic that inductor can fuse. Depthwise: sum over k of weight[:, 0, k] * x[t + k] (+ bias),
+    elementwise; grouped: per tap, one batched matmul over the head groups ([G, C/G, C/G] weights) on the whole
+    depthwise output, the products shifted by the tap and summed (+ bias). Weights are cast to the activations'
+    dtype, as autocast does for a convolution."""
+    x = packed.mT  # [B, reach + T, C], contiguous when token-major
+    dw, gw = att.conv_depthwise, att.conv_grouped
+    b, length, c = x.shape
+    k0, k1 = dw.kernel_size[0], gw.kernel_size[0]
+    groups, cg = gw.groups, c // gw.groups
+    n = length - k0 + 1  # depthwise output length
+    t = n - k1 + 1
+    y = dw.bias.to(x.dtype)
+    for k, w in enumerate(dw.weight.to(x.dtype)[:, 0].unbind(-1)):
+        y = y + x[:, k:k + n] * w
+    y = y.view(b, n, groups, cg)
+    out = gw.bias.to(x.dtype).view(groups, cg)
+    for k, w in enumerate(gw.weight.to(x.dtype).view(groups, cg, cg, k1).unbind(-1)):  # w: [G, out, in]
+        out = out + torch.einsum("btgi,goi->btgo", y, w)[:, k:k + t]
+    return out.reshape(b, t, c).mT
+
+
+CONV_BATCH = {"base": 1, "tiny": 16}
+"""Sequences per convolution input (``--convolutions``): ZAYA1-base's one long sequence, the tiny training step's 16."""
+CONV_VARIANTS = {"conv2d": lambda att, packed: att._convolutions(packed), "taps": taps_convolutions}
+
+
+def convolutions(args, device: torch.device) -> list[dict]:
+    """``--convolutions``: the CCA convolutions alone, forward + backward, the model's conv2d path against
+    ``taps_convolutions``, per (shape, dtype), eager, round-robin; agreement checked first (output and every
+    gradient: input, both weights, both biases)."""
+    rows = []
+    for shape in args.shapes.split(","):
+        cfg = shape_config(shape)
+        torch.manual_seed(args.seed)
+        att = Attention(cfg)
+        with torch.no_grad():
+            att.conv_depthwise.bias.normal_(0.0, 0.1)
+            att.conv_grouped.bias.normal_(0.0, 0.1)
+        batch = CONV_BATCH[shape]
+        for dname in args.dtype.split(","):
+            layer = cast(att, DTYPES[dname], device)
+            params = [layer.conv_depthwise.weight, layer.conv_depthwise.bias, layer.conv_grouped.weight,
+                      layer.conv_grouped.bias]
+            g = torch.Generator().manual_seed(args.seed + 2)
+            steps = args.tokens // batch
+            x = torch.randn(batch, layer.conv_reach + steps, layer.conv_depthwise.in_channels,
+                            generator=g).to(device, DTYPES[dname]).requires_grad_(True)
+            upstream = torch.randn(batch, steps, x.shape[-1], generator=g).to(device, DTYPES[dname]).mT
+
+            def run(variant: str) -> list[torch.Tensor]:
+                out = CONV_VARIANTS[variant](layer, x.mT)
+                return [out, *torch.autograd.grad(out, [x, *params], upstream)]
+
+            ref, new = run("conv2d"), run("taps")
+            errors = [rel_err(a.detach(), b.detach()) for a, b in zip(new, ref)]
+            times = {v: [] for v in CONV_VARIANTS}
+            for _ in range(args.repeats):
+                if device.type == "cpu":
+                    wait_quiet(args.quiet_below, args.quiet_timeout)
+                for v in CONV_VARIANTS:
+                    times[v].append(timed(lambda: run(v), device))
+            med = {v: statistics.median(t) for v, t in times.items()}
+            row = dict(convolutions=True, shape=shape, dtype=dname, batch=batch, tokens=batch * steps,
+                       repeats=args.repeats, conv2d_ms=round(med["conv2d"] * 1e3, 2),
+                       taps_ms=round(med["taps"] * 1e3, 2), taps_speedup=round(med["conv2d"] / med["taps"], 3),
+                       max_rel_err=float(f"{max(errors):.1e}"), agree=max(errors) <= TOLERANCE[dname])
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -269,9 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-repeats", type=int, default=1, help="bf16 repeats without native bf16")
     ap.add_argument("--device", default="cpu", help="cpu (the issue's setting), cuda, auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
     ap.add_argument("--quiet-below", type=float, default=0.75, help="CPU: wait for the machine to be this idle")
     ap.add_argument("--quiet-timeout", type=float, default=20.0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--convolutions", action="store_true",
+                    help="time the CCA convolutions alone: the model's conv2d path against explicit taps")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny shape, 128 tokens, 2 repeats, fp32")
     args = ap.parse_args(argv)
     if args.quick:
@@ -279,9 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         args.dtype = args.dtype or "fp32"
         args.quiet_timeout = 0.0
     args.dtype = args.dtype or "fp32,bf16"
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     info = machine(device)
     print(json.dumps(info), flush=True)
+    if args.convolutions:
+        return 0 if all(row["agree"] for row in convolutions(args, device)) else 1
 
     summaries = []
     for shape in args.shapes.split(","):

@@ -22,11 +22,15 @@ is the largest relative difference of their losses over every step (fp32: roundi
 inside the compiled regions (forward, backward) and outside them (the rest of the forward and backward: the
 embedding, the head's GEMM, gradient accumulation; the clip; the optimizer), and the top operators by self time.
 
+``--cca-taps`` (issue 36): two more copies, eager and compiled, whose CCA layers run their convolutions as
+explicit taps (benchmarks/cca_attention.py's ``taps_convolutions``), timed in the same rounds; ``taps_*_gain`` is
+the conv2d copy's median CPU time over the taps copy's (eager against eager, compiled against compiled).
+
 Shapes: ``tiny`` is configs/tiny.toml's model (d=256, 4 layers, 8 experts, 16 x 128 tokens); ``wide`` doubles
 its width and expert width (d=512, expert 1024, 8 query heads, 8 x 256 tokens).
 
 Run: ``PYTHONPATH=src .venv/bin/python benchmarks/compile.py [--shapes tiny,wide] [--dtypes fp32,bf16]
-[--steps N] [--warmup N] [--threads N] [--backend inductor] [--cache-dir DIR]``. Prints one JSON line per
+[--steps N] [--warmup N] [--threads N] [--backend inductor] [--cache-dir DIR] [--cca-taps]``. Prints one JSON line per
 (shape, dtype) and a final line with the speed-ups.
 """
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -51,6 +56,7 @@ from quiet import wait_quiet  # noqa: E402
 from zaya.config import ModelConfig  # noqa: E402
 from zaya.core.hardware import cpu_model_name  # noqa: E402
 from zaya.model import ZayaForCausalLM  # noqa: E402
+from zaya.model.attention import Attention  # noqa: E402
 from zaya.core.compile import CACHE_ENV  # noqa: E402
 from zaya.train import compile as compile_module  # noqa: E402
 
@@ -101,11 +107,19 @@ def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
     fields, batch, seq = SHAPES[shape]
     torch.manual_seed(0)
     eager_model = ZayaForCausalLM(ModelConfig(**fields))
-    compiled_model = copy.deepcopy(eager_model)
+    models = {"eager": eager_model, "compiled": copy.deepcopy(eager_model)}
+    if args.cca_taps:
+        models["taps_eager"], models["taps_compiled"] = copy.deepcopy(eager_model), copy.deepcopy(eager_model)
+        for name in ("taps_eager", "taps_compiled"):
+            use_cca_taps(models[name])
     compile_module.BACKEND = args.backend
     torch._dynamo.reset()
-    compile_module.CompiledBlocks(compiled_model, log=lambda m: print(m, file=sys.stderr))
-    eager, compiled = Copy(eager_model, DTYPES[dtype]), Copy(compiled_model, DTYPES[dtype])
+    copies = {}
+    for name, model in models.items():
+        if name.endswith("compiled"):
+            compile_module.CompiledBlocks(model, log=lambda m: print(m, file=sys.stderr))
+        copies[name] = Copy(model, DTYPES[dtype])
+    eager, compiled = copies["eager"], copies["compiled"]
     generator = torch.Generator().manual_seed(1)
 
     def batch_of_tokens():
@@ -113,36 +127,56 @@ def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
         return ids[:, :-1], ids[:, 1:]
 
     ids, labels = batch_of_tokens()
-    compile_s, _, compiled_loss = timed(compiled, ids, labels)
-    _, _, eager_loss = timed(eager, ids, labels)
-    diffs = [abs(compiled_loss - eager_loss) / abs(eager_loss)]
+    first = {name: timed(c, ids, labels) for name, c in copies.items()}  # compiles the compiled copies
+    compile_s = {name: first[name][0] for name in copies if name.endswith("compiled")}
+    eager_loss = first["eager"][2]
+    diffs = [max(abs(r[2] - eager_loss) / abs(eager_loss) for r in first.values())]
     for _ in range(args.warmup):
         ids, labels = batch_of_tokens()
-        (*_, a), (*_, b) = timed(eager, ids, labels), timed(compiled, ids, labels)
-        diffs.append(abs(b - a) / abs(a))
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
-    cpu: dict[str, list[float]] = {"eager": [], "compiled": []}
+        losses = {name: timed(c, ids, labels)[2] for name, c in copies.items()}
+        diffs.append(max(abs(v - losses["eager"]) / abs(losses["eager"]) for v in losses.values()))
+    times: dict[str, list[float]] = {name: [] for name in copies}
+    cpu: dict[str, list[float]] = {name: [] for name in copies}
     for i in range(args.steps):
         ids, labels = batch_of_tokens()
         wait_quiet(args.quiet_below, timeout=30.0)
-        order = [("eager", eager), ("compiled", compiled)]
+        order = list(copies.items())
         losses = {}
         for name, c in order if i % 2 == 0 else order[::-1]:
             seconds, cpu_seconds, losses[name] = timed(c, ids, labels)
             times[name].append(seconds)
             cpu[name].append(cpu_seconds)
-        diffs.append(abs(losses["compiled"] - losses["eager"]) / abs(losses["eager"]))
+        diffs.append(max(abs(v - losses["eager"]) / abs(losses["eager"]) for v in losses.values()))
     shares = profile_shares(compiled, [batch_of_tokens() for _ in range(args.profile)]) if args.profile else {}
     eager_s, compiled_s = statistics.median(times["eager"]), statistics.median(times["compiled"])
     eager_cpu, compiled_cpu = statistics.median(cpu["eager"]), statistics.median(cpu["compiled"])
+    taps = {}
+    if args.cca_taps:
+        med = {name: statistics.median(cpu[name]) for name in ("taps_eager", "taps_compiled")}
+        taps = {"taps_compile_s": round(compile_s["taps_compiled"] - statistics.median(times["taps_eager"]), 2),
+                "taps_eager_cpu_s": round(med["taps_eager"], 4), "taps_compiled_cpu_s": round(med["taps_compiled"], 4),
+                "taps_eager_gain": round(eager_cpu / med["taps_eager"], 3),
+                "taps_compiled_gain": round(compiled_cpu / med["taps_compiled"], 3),
+                "taps_eager_times_s": [round(t, 4) for t in times["taps_eager"]],
+                "taps_compiled_times_s": [round(t, 4) for t in times["taps_compiled"]]}
     return {"shape": shape, "dtype": dtype, "backend": args.backend, "tokens": batch * seq,
-            "compile_s": round(compile_s - eager_s, 2),
+            "compile_s": round(compile_s["compiled"] - eager_s, 2),
             "eager_step_s": round(eager_s, 4), "compiled_step_s": round(compiled_s, 4),
             "speedup": round(eager_s / compiled_s, 3), "eager_cpu_s": round(eager_cpu, 4),
             "compiled_cpu_s": round(compiled_cpu, 4), "cpu_speedup": round(eager_cpu / compiled_cpu, 3),
             "eager_times_s": [round(t, 4) for t in times["eager"]],
             "compiled_times_s": [round(t, 4) for t in times["compiled"]],
-            "max_loss_rel_diff": float(f"{max(diffs):.2e}"), "steps": args.steps, **shares}
+            "max_loss_rel_diff": float(f"{max(diffs):.2e}"), "steps": args.steps, **taps, **shares}
+
+
+def use_cca_taps(model: ZayaForCausalLM) -> None:
+    """Every CCA layer of ``model`` runs its convolutions through benchmarks/cca_attention.py's
+    ``taps_convolutions`` (issue 36's candidate) instead of the model's conv2d path."""
+    from cca_attention import taps_convolutions
+
+    for module in model.modules():
+        if isinstance(module, Attention) and module.kind == "cca":
+            module._convolutions = functools.partial(taps_convolutions, module)
 
 
 def profile_shares(copy_: Copy, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
@@ -178,6 +212,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: a smoke test)")
+    parser.add_argument("--cca-taps", action="store_true",
+                        help="also time an eager and a compiled copy with the CCA convolutions as explicit taps")
     parser.add_argument("--profile", type=int, default=0, help="then profile this many compiled steps")
     parser.add_argument("--cache-dir", default="", help="inductor cache directory (default: a fresh temporary one)")
     parser.add_argument("--quiet-below", type=float, default=0.1,
