@@ -9,15 +9,9 @@ Skipped only where triton does not import (the dev extra installs it).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from triton_helpers import CASES, DTYPES, MODELS
+from triton_helpers import CASES, DTYPES, MODELS, run_interpreted
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[dev]' brings it)")
 
@@ -33,13 +27,7 @@ difference can move a value across a bf16 rounding boundary. Measured: at most 8
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    tests = Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(tests), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, str(tests / "triton_helpers.py")], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_interpreted("triton_helpers.py")
 
 
 @pytest.mark.parametrize("kind,case,shape", CASES)

@@ -1,5 +1,7 @@
 """The Triton kernels run under Triton's interpreter, in a process of their own: ``python tests/triton_helpers.py``
-prints one JSON object of their differences from the torch paths, which tests/test_triton_kernels.py asserts on.
+prints one JSON object of the fused norm kernels' differences from their torch paths, which
+tests/test_triton_kernels.py asserts on (tests/triton_ns_helpers.py does the same for Newton-Schulz's kernel, with
+``run_interpreted`` and the interpreter's fixes for bf16 below).
 
 Triton decides whether to interpret when it decorates a kernel, its own library kernels (``tl.sum``...) included,
 so ``TRITON_INTERPRET=1`` must be set before triton is first imported: a fresh process is the one place where that
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -37,6 +41,17 @@ ONE_EXPERT = dict(num_experts=1, top_k=1, router_skip_expert=False)
 that sends one token to another expert changes the loss by more than any rounding)."""
 MODELS = {"fp32": (torch.float32, True), "bf16_fp32_residual": (torch.bfloat16, True), "bf16": (torch.bfloat16, False)}
 """(parameter dtype, residual_fp32) of the tiny models run end to end."""
+
+
+def run_interpreted(script: str) -> dict:
+    """Run ``tests/<script>`` with ``TRITON_INTERPRET=1`` in a fresh process (the tests folder on its path) and return
+    the JSON object its last line prints."""
+    tests = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tests), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, str(tests / script)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -165,6 +180,27 @@ def round_bf16_as_compiled() -> None:
         return cast(self, src, dst_type)
 
     interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
+def dot_bf16_as_compiled() -> None:
+    """Make the interpreter's ``tl.dot`` of bf16 operands multiply their values, as a GPU's tensor cores do (exact
+    products, summed in fp32): Triton 3.9's interpreter hands the bf16 operands' raw 16-bit patterns to numpy's
+    matmul, which multiplies them as integers. The operands are widened to fp32 (exact) first."""
+    import numpy as np
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
 
 
 def main() -> int:

@@ -6,35 +6,31 @@ straight into ``moe_norm``: in eager torch that is about ten kernels each way, e
 (the MoE output's join) and ``rms_norm`` (a block's attention norm, the final norm) are the two halves alone, one
 kernel each way instead of five to eight. The kernels are taken where they help: a CUDA or ROCm tensor, triton
 importable, not while torch.compile traces (inductor fuses the same ops itself) and rows no wider than
-``fused_norm_triton.MAX_COLS``. Set ``ENABLED = False`` to force the torch path everywhere.
+``fused_norm_triton.MAX_COLS`` (``zaya.core.kernels``). Set ``zaya.core.kernels.ENABLED = False`` to force the torch
+path everywhere.
 """
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
 import torch
 
+from zaya.core.kernels import kernel_module, triton_device
 from zaya.model.layers import ResidualScale, RMSNorm
 
-ENABLED = True
-"""Whether ``residual_norm`` may take the Triton kernels (set False to force the torch path, e.g. to compare)."""
 
-
-@functools.cache
-def _kernels() -> ModuleType | None:
+@kernel_module
+def _kernels() -> ModuleType:
     """The kernel module, or None where triton does not import (imported on the first GPU tensor only)."""
-    try:
-        from zaya.model import fused_norm_triton
-    except ImportError:
-        return None
+    from zaya.model import fused_norm_triton
+
     return fused_norm_triton
 
 
 def uses_triton(x: torch.Tensor) -> bool:
     """Whether ``residual_norm`` takes the Triton kernels for a branch ``x``."""
-    if not ENABLED or x.device.type != "cuda" or torch.compiler.is_compiling() or x.numel() == 0:
+    if x.numel() == 0 or not triton_device(x.device):
         return False
     kernels = _kernels()
     return kernels is not None and x.shape[-1] <= kernels.MAX_COLS

@@ -5,7 +5,8 @@ Pure math on tensors: it knows nothing of parameters, momentum or ranks, so that
 and its distributed execution (``zaya.optim.muon_distributed``) share one definition of "orthogonalise this
 matrix", and every rank, whichever matrices it is given, computes them with the same code (which is what makes the
 distributed results equal the single-process ones). The speed comes from doing fewer FLOPs for the same
-polynomial: symmetric products computed by upper block triangle on the CPU, and a Gram-space iteration for
+polynomial: symmetric products computed by upper block triangle (row blocks on the CPU, the Triton kernel of
+``zaya.optim.newton_schulz_triton`` on a GPU, ``triton_products``), and a Gram-space iteration for
 rectangular matrices with restarts and a drift check (``drift_flags``, returned as a device tensor for the caller
 to read when it chooses; ``standard_`` recomputes a flagged result). ``method`` picks per shape; ``stacked`` runs
 a list of matrices (one at a time or batched); the CPU constants come from the hardware profile
@@ -17,16 +18,18 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from zaya.core.hardware import load_profile
+from zaya.core.kernels import kernel_module, triton_device
 
 __all__ = ["orthogonalize", "zeropower_via_newtonschulz", "ns_flops", "iteration_coefficients", "SCHEDULES",
            "NSConfig", "Workspace", "plan", "stacked", "gram_checked", "orthogonalize_", "standard_",
-           "drift_flags"]
+           "drift_flags", "triton_products"]
 
 EPS = 1e-7
 DEFAULT_A = 3.4445
@@ -210,15 +213,36 @@ def _addmm(c: Tensor, a: Tensor, b: Tensor, beta: float, alpha: float, out: Tens
     (torch.addmm if a.ndim == 2 else torch.baddbmm)(c, a, b, beta=beta, alpha=alpha, out=out)
 
 
+@kernel_module
+def _kernels() -> ModuleType:
+    """The Triton kernel module, or None where triton does not import (imported on the first GPU product only)."""
+    from zaya.optim import newton_schulz_triton
+
+    return newton_schulz_triton
+
+
+def triton_products(device: torch.device, dtype: torch.dtype, m: int) -> bool:
+    """Whether the symmetric products of ``m``-row matrices of ``dtype`` on ``device`` run in the Triton kernel:
+    a GPU and triton (``zaya.core.kernels``), bf16 or fp32, and more than one tile's rows (one tile saves nothing).
+    Elsewhere they are torch's GEMMs (by row blocks on the CPU)."""
+    if not triton_device(device):
+        return False
+    kernels = _kernels()
+    return kernels is not None and dtype in kernels.DTYPES and m > kernels.TILE
+
+
 def _sym(out: Tensor, a: Tensor, b: Tensor, nb: int, c: Tensor | None = None, beta: float = 0.0,
          alpha: float = 1.0) -> Tensor:
     """``out = beta * c + alpha * a @ b`` for a result known to be symmetric (``c`` symmetric too).
 
-    With ``nb > 1`` only the ``nb`` row blocks' upper triangles are multiplied (row block ``i`` against the
-    columns from its diagonal on) and the lower blocks are copied from their transposes. ``out`` must not alias
-    ``a``, ``b`` or ``c``.
+    Where ``triton_products`` says so, the Triton kernel (upper tiles only, mirrored, epilogue fused; ``nb`` is not
+    used). Otherwise, with ``nb > 1`` only the ``nb`` row blocks' upper triangles are multiplied (row block ``i``
+    against the columns from its diagonal on) and the lower blocks are copied from their transposes. ``out`` must
+    not alias ``a``, ``b`` or ``c``.
     """
     m = out.size(-1)
+    if triton_products(out.device, out.dtype, m):
+        return _kernels().sym_matmul(out, a, b, c, beta, alpha)
     if nb <= 1:
         if c is None and alpha == 1.0:
             _mm(a, b, out)
@@ -298,9 +322,12 @@ def _ns_gram(X: Tensor, out: Tensor, coeffs: Sequence[tuple[float, float, float]
     return out
 
 
-def _block_count(m: int, device: torch.device, batched: bool) -> int:
-    """Row blocks of the symmetric products of an ``m``-row matrix (CPU, one at a time: the profile's sizes)."""
-    if device.type != "cpu" or batched:
+def _block_count(m: int, device: torch.device, batched: bool, dtype: torch.dtype) -> int:
+    """Row blocks of the symmetric products of an ``m``-row matrix: on the CPU one at a time, the profile's sizes;
+    with the Triton kernel its row tiles (the FLOP share of upper tiles is that of as many row blocks); else 1."""
+    if device.type != "cpu":
+        return -(-m // _kernels().TILE) if triton_products(device, dtype, m) else 1
+    if batched:
         return 1
     profile = load_profile(device)
     return max(1, min(profile.muon_max_blocks, m // profile.muon_block_rows))
@@ -351,7 +378,7 @@ def plan(cfg: NSConfig, m: int, n: int, device: torch.device, batched: bool) -> 
     """(method, row blocks) for an ``m x n`` matrix, ``m <= n``."""
     if cfg.method == "reference":
         return "reference", 1
-    nb = _block_count(m, device, batched)
+    nb = _block_count(m, device, batched, cfg.dtype)
     if m == n or cfg.method == "standard" or not cfg.coeffs:
         return "standard", nb
     if cfg.method == "gram":
