@@ -11,7 +11,7 @@ suite can be tested on a machine without one. ``--quick`` shrinks every check on
 The checks live here (the ones that launch ``zaya train``, torchrun and the other benchmark scripts, and the
 in-process host-sync count), in ``gpu_model_step.py`` (the full model's training step, eager and compiled),
 ``gpu_decode.py`` (the serving engine's decode) and ``gpu_kernels.py`` (flash attention, grouped_mm against the
-loop, Muon's Newton-Schulz methods, the fused Triton kernels); ``gpu_predict.py`` sets the cost model's prediction
+loop, Muon's Newton-Schulz methods, the Triton kernels); ``gpu_predict.py`` sets the cost model's prediction
 beside the step, MoE-block and Muon figures.
 """
 
@@ -35,7 +35,7 @@ from gpu_common import (ROOT, CheckTimeout, Ctx, clean, cpu_bf16_gflops, error_t
 from gpu_predict import add_moe_block_prediction
 
 CHECKS = ("train_small", "parallel_modes", "host_syncs", "flash_attention", "grouped_mm_vs_loop", "moe_block",
-          "model_step", "model_step_deep", "muon", "fused_norm", "decode", "expert_parallel")
+          "model_step", "model_step_deep", "muon", "fused_norm", "ns_triton", "decode", "expert_parallel")
 
 # Leave this much of a check's budget for reading results and printing the JSON line after a subprocess.
 MARGIN_S = 15.0
@@ -324,7 +324,7 @@ def _load(name: str) -> Callable[[Ctx, dict[str, Any]], None]:
             add_muon_prediction(ctx, r)
 
         return check_muon
-    if name in ("flash_attention", "grouped_mm_vs_loop", "fused_norm"):
+    if name in ("flash_attention", "grouped_mm_vs_loop", "fused_norm", "ns_triton"):
         import gpu_kernels
 
         return getattr(gpu_kernels, f"check_{name}")

@@ -1,6 +1,6 @@
 """GPU suite checks of single components: flash attention eligibility of the training attention, the grouped_mm
-expert path against the per-expert loop, Muon's Newton-Schulz methods ("standard" against "gram"), and the fused
-Triton kernels against their torch paths.
+expert path against the per-expert loop, Muon's Newton-Schulz methods ("standard" against "gram"), and the Triton
+kernels (the fused norms, Newton-Schulz's symmetric products) against their torch paths.
 
 Run through ``benchmarks/gpu_checks.py CHECK`` (or the suite, ``benchmarks/gpu_suite.sh``); docs/gpu.md lists the
 keys each check reports.
@@ -371,9 +371,11 @@ _FUSED_GRADS = ("d_branch", "d_residual", "d_branch_bias", "d_branch_scale", "d_
 def check_fused_norm(ctx: Ctx, r: dict[str, Any]) -> None:
     """zaya.model.fused_norm's three functions (``residual_norm``: a block's attention join + MoE norm;
     ``join_residual``: the MoE's join; ``rms_norm``: the attention and final norms) with the Triton kernels against
-    their torch paths: outputs and every gradient, forward + backward and forward-only times, at ZAYA1-base's width,
-    for the trainer's dtypes (bf16 autocast over fp32 weights: bf16 branch, fp32 residual) and bf16 weights."""
+    their torch paths (``zaya.core.kernels.ENABLED`` off): outputs and every gradient, forward + backward and
+    forward-only times, at ZAYA1-base's width, for the trainer's dtypes (bf16 autocast over fp32 weights: bf16
+    branch, fp32 residual) and bf16 weights."""
     torch = ctx.torch
+    from zaya.core import kernels
     from zaya.model import fused_norm
     from zaya.model.layers import ResidualScale, RMSNorm
 
@@ -411,7 +413,7 @@ def check_fused_norm(ctx: Ctx, r: dict[str, Any]) -> None:
 
         def run(kind: str, fused: bool, backward: bool = True):
             fn, grads = calls[kind]
-            fused_norm.ENABLED = fused
+            kernels.ENABLED = fused
             for p in params:
                 p.grad = None
             a, x = branch.detach().requires_grad_(backward), residual.detach().requires_grad_(backward)
@@ -440,7 +442,7 @@ def check_fused_norm(ctx: Ctx, r: dict[str, Any]) -> None:
                 v["torch_fwd_ms"] = rnd(median(time_calls(lambda: run(kind, False, False), ctx, repeats)))
                 v["speedup_fwd"] = rnd(v["torch_fwd_ms"] / v["fused_fwd_ms"], 3)
             finally:
-                fused_norm.ENABLED = True
+                kernels.ENABLED = True
             worst = max(v["max_err"].values())
             if not (worst <= tol and v["finite"]):
                 problems.append(f"{name} {kind}: largest max |fused - torch| / max |torch| {worst} > {tol} "
@@ -453,3 +455,110 @@ def check_fused_norm(ctx: Ctx, r: dict[str, Any]) -> None:
     r["ok"] = not problems
     if problems:
         r["error"] = "; ".join(problems)
+
+
+# ------------------------------------------------------------------------------------------------ Newton-Schulz kernel
+def _ns_flop_share(ns, shapes, method: str) -> float:
+    """FLOPs of 5-step NS over ``shapes`` with the kernel's tiles (``ns_flops`` with as many row blocks), over those
+    with full GEMMs; square matrices run the standard iteration whatever the method."""
+    kernel = full = 0.0
+    for shape in shapes:
+        m, n = sorted(shape[-2:])
+        how, count = ("standard" if m == n else method), (shape[0] if len(shape) == 3 else 1)
+        tiles = -(-m // ns._kernels().TILE)
+        kernel += count * ns.ns_flops(m, n, 5, how, tiles)
+        full += count * ns.ns_flops(m, n, 5, how, 1)
+    return kernel / full
+
+
+def check_ns_triton(ctx: Ctx, r: dict[str, Any]) -> None:
+    """Muon's Newton-Schulz with the symmetric products in zaya.optim.newton_schulz_triton's kernel against torch's
+    GEMMs (``zaya.core.kernels.ENABLED = False``): Muon's step over one ZAYA1-base layer's matrices per
+    ``ns_method`` ("standard", "gram"), each NS result against an fp32 reference, and the two products alone
+    (``X X^T`` and ``b A + c A A``) at the experts' stack."""
+    torch = ctx.torch
+    from zaya.core import kernels
+    from zaya.optim import newton_schulz as ns
+
+    if not ctx.cuda:
+        r["skipped"] = ("the kernel compiles for GPUs only; on the CPU tests/test_triton_newton_schulz.py checks it "
+                        "under Triton's interpreter")
+        return
+    if ns._kernels() is None:
+        r["skipped"] = "triton does not import in this Python: Newton-Schulz takes torch's GEMMs"
+        return
+    repeats = ctx.pick(5, 3, 2)
+    shapes = _muon_shapes(ctx)
+    r.update(shapes=[list(s) for s in shapes], repeats=repeats, ns_dtype="bfloat16", tile=ns._kernels().TILE)
+    init, grads = _muon_set(ctx, shapes)
+
+    def muon_ms(method: str, kernel: bool) -> float:
+        kernels.ENABLED = kernel
+        try:
+            return rnd(median(_muon_run(ctx, init, grads, method, repeats)[0]))
+        finally:
+            kernels.ENABLED = True
+
+    per_method: dict[str, Any] = {}
+    r["methods"] = per_method
+    for method in ("standard", "gram"):
+        say(f"Newton-Schulz {method}: kernel, then torch's GEMMs")
+        v = {"kernel_ms": muon_ms(method, True), "torch_ms": muon_ms(method, False)}
+        v["speedup"] = rnd(v["torch_ms"] / v["kernel_ms"], 3)
+        per_method[method] = v
+    r["flop_share"] = {method: rnd(_ns_flop_share(ns, shapes, method), 3) for method in per_method}
+
+    # Agreement: each shape's NS (Muon's batching) by both paths against torch's NS in fp32.
+    worst: dict[str, Any] = {}
+    r["agreement"] = worst
+    problems = []
+    for method in per_method:
+        ratios, diffs = [], []
+        for shape in dict.fromkeys(shapes):
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(ctx.device)
+            ref = ns.orthogonalize(x, dtype=torch.float32, method="reference")
+            outs = {}
+            for kernel in (True, False):
+                kernels.ENABLED = kernel
+                try:
+                    outs[kernel] = ns.orthogonalize(x, method=method, batched=True)
+                finally:
+                    kernels.ENABLED = True
+            errs = {k: _rel_err(o, ref) for k, o in outs.items()}
+            ratios.append(errs[True] / max(errs[False], 1e-30))
+            diffs.append(_rel_err(outs[True], outs[False]))
+            if not bool(torch.isfinite(outs[True]).all()):
+                problems.append(f"{method} {shape}: non-finite result")
+        worst[method] = {"max_error_ratio": rnd(max(ratios), 3), "max_rel_diff": rnd(max(diffs), 3)}
+    tol = 1.25
+    for method, w in worst.items():
+        if not w["max_error_ratio"] <= tol:
+            problems.append(f"{method}: the kernel's error against fp32 is {w['max_error_ratio']}x torch's (> {tol})")
+
+    # The products alone, at the experts' gate_up stack (16 x 2048 x 4096 after the transpose; --quick: the same).
+    e, m, n = shapes[0][0], min(shapes[0][1:]), max(shapes[0][1:])
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(e, m, n, generator=g) / n ** 0.5).to(ctx.device, torch.bfloat16)
+    a = x @ x.mT
+    out = torch.empty_like(a)
+    sym = ns._kernels().sym_matmul
+    products = {"gram": (lambda: sym(out, x, x.mT), lambda: torch.bmm(x, x.mT, out=out)),
+                "poly": (lambda: sym(out, a, a, a, -4.775, 2.0315),
+                         lambda: torch.baddbmm(a, a, a, beta=-4.775, alpha=2.0315, out=out))}
+    r["products"] = {}
+    for name, (kernel_fn, torch_fn) in products.items():
+        v = {"kernel_ms": rnd(median(time_calls(kernel_fn, ctx, 10 * repeats)), 4),
+             "torch_ms": rnd(median(time_calls(torch_fn, ctx, 10 * repeats)), 4)}
+        v["speedup"] = rnd(v["torch_ms"] / v["kernel_ms"], 3)
+        kernel_out = kernel_fn().clone()
+        v["max_err"] = rnd(_max_err(kernel_out, torch_fn()), 3)
+        if not v["max_err"] <= 2.0 ** -7:  # bf16 results, each rounded once: one or two ulps apart
+            problems.append(f"product {name}: max |kernel - torch| / max |torch| = {v['max_err']}")
+        r["products"][name] = v
+    r["product_shape"] = [e, m, n]
+    r["speedup"] = {m: v["speedup"] for m, v in per_method.items()}
+    r["target_met"] = all(v["speedup"] >= 1 for v in list(per_method.values()) + list(r["products"].values()))
+    r["ok"] = not problems
+    if problems:
+        r["error"] = "; ".join(problems)
+

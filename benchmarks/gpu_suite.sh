@@ -20,7 +20,7 @@ cd "$ROOT" || exit 2
 
 # Most valuable first (the budget skips what no longer fits): the step eager and compiled, the deep model's MFU, the
 # trainer training, the kernels against their torch paths, decode; then what an earlier run already measured.
-ALL=(model_step model_step_deep train_small fused_norm decode muon moe_block host_syncs flash_attention
+ALL=(model_step model_step_deep train_small fused_norm ns_triton decode muon moe_block host_syncs flash_attention
      grouped_mm_vs_loop parallel_modes expert_parallel)
 PY="${PY:-$ROOT/.venv/bin/python}"
 QUICK="${QUICK:-0}"
@@ -88,6 +88,7 @@ limit_for() {
         flash_attention) echo 60 ;;
         grouped_mm_vs_loop) echo 90 ;;
         fused_norm) echo 60 ;;
+        ns_triton) echo 60 ;;
         host_syncs) echo 120 ;;
         model_step) echo 180 ;;
         model_step_deep) echo 200 ;;
