@@ -17,12 +17,15 @@ summation differs. Plain ``tl`` operations: the source compiles for NVIDIA and A
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 TILE = 128
-"""Rows and columns of one tile on a GPU: a product of ``m <= TILE`` rows is one tile and saves nothing."""
+"""Rows and columns of one tile on a GPU: a product of ``m <= TILE`` rows is one tile and saves nothing. (Products
+with fewer upper tiles than the GPU has multiprocessors take tiles of 64, ``_config``.)"""
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -67,13 +70,26 @@ def _sym_kernel(A, B, C, OUT, m, k, alpha, beta,
                  mask=col_ok[:, None] & row_ok[None, :])
 
 
-def _config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    """(tile, K step, warps, pipeline stages): 128 x 128 tiles, K steps of 64 bf16 or 32 fp32 values (64 KiB of
-    operands a stage), 8 warps, 3 stages on NVIDIA and 2 on AMD (whose compute units have 64 KiB of LDS); on the CPU
-    interpreter tiles of 16, so that the tests' small matrices span several tiles, ragged edges and mirrors."""
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors (compute units on AMD) of ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _config(dtype: torch.dtype, device: torch.device, m: int, batch: int) -> tuple[int, int, int, int]:
+    """(tile, K step, warps, pipeline stages): 128 x 128 tiles, K steps of 64 bf16 or 32 fp32 values (32 or 64 KiB
+    of operands a stage), 8 warps, 3 stages on NVIDIA and 2 on AMD (64 KiB of LDS per compute unit); tiles of 64 and
+    4 warps where 128-row tiles would leave multiprocessors idle (a single 1,024-row matrix: 36 upper tiles of 128,
+    136 of 64). On the CPU interpreter tiles of 16, so that the tests' small matrices span several tiles, ragged edges
+    and mirrors."""
     if device.type != "cuda":
         return 16, 32, 1, 1
-    return TILE, 64 if dtype == torch.bfloat16 else 32, 8, 2 if torch.version.hip else 3
+    stages = 2 if torch.version.hip else 3
+    block_k = 64 if dtype == torch.bfloat16 else 32
+    tiles = triton.cdiv(m, TILE)
+    if batch * tiles * (tiles + 1) // 2 < _multiprocessors(device):
+        return TILE // 2, block_k, 4, stages
+    return TILE, block_k, 8, stages
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -96,7 +112,7 @@ def sym_matmul(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Ten
     fp32). ``out`` must not alias ``a``, ``b`` or ``c``. Returns ``out``."""
     m, k = a.shape[-2], a.shape[-1]
     batch = out.shape[0] if out.ndim == 3 else 1
-    block, block_k, warps, stages = _config(out.dtype, out.device)
+    block, block_k, warps, stages = _config(out.dtype, out.device, m, batch)
     tiles = triton.cdiv(m, block)
     cc = out if c is None else c  # a pointer the kernel never reads
     _sym_kernel[(tiles * (tiles + 1) // 2, batch)](
