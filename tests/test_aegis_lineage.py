@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from test_aegis_hostile import sleeper  # noqa: F401 - a fixture: an unrelated live process
-from tests.test_aegis_runs import SETTINGS, aegis_table, leftover_processes
+from test_aegis_runs import SETTINGS, aegis_table, leftover_processes
 from zaya.aegis.chaos import request
 from zaya.aegis.heartbeat import Heartbeat, heartbeat_dir, read_heartbeats
 from zaya.aegis.lineage import (STOP_GRACE_ENV, SUPERVISOR_PID_ENV, SUPERVISOR_START_ENV, parent_death_signal,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_train import train_records
+from test_train import train_records
 
 SETTINGS = ["--set", 'train.dtype="float32"', "--set", 'optim.muon_ns_dtype="float32"', "--set",
             "train.sample_tokens=0", "--set", "train.eval_every=0", "--set", "checkpoint.every=2", "--set",
