@@ -71,22 +71,38 @@ def test_iterations_match_torch(interpreted, name, dtype):
     assert r["err"] <= r["torch_vs_fp64"], r
 
 
-def test_the_kernel_is_chosen_on_a_gpu_only(monkeypatch):
+@pytest.fixture
+def gpu_capability(monkeypatch):
+    """Sets the compute capability ``torch.cuda`` reports (a GPU stands in for the choice), with the kernel module's
+    cached answers cleared before and after."""
+    capability = [(8, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    supports = ns._kernels().supports
+    supports.cache_clear()
+    yield lambda value: capability.__setitem__(0, value) or supports.cache_clear()
+    supports.cache_clear()
+
+
+def test_the_kernel_is_chosen_on_a_gpu_only(monkeypatch, gpu_capability):
     """The choice, without a GPU: CUDA/ROCm devices take the kernel for bf16 and fp32 matrices of more than one tile;
-    the CPU, fp16, one tile's rows, ``zaya.core.kernels.ENABLED = False`` and a torch.compile trace take torch."""
+    the CPU, fp16, one tile's rows, bf16 before Ampere, ``zaya.core.kernels.ENABLED = False`` and a torch.compile
+    trace take torch."""
     cuda, cpu, tile = torch.device("cuda"), torch.device("cpu"), ns._kernels().TILE
     assert ns.triton_products(cuda, torch.bfloat16, 2048) and ns.triton_products(cuda, torch.float32, tile + 1)
     assert not ns.triton_products(cpu, torch.bfloat16, 2048)
     assert not ns.triton_products(cuda, torch.float16, 2048)
     assert not ns.triton_products(cuda, torch.bfloat16, tile)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert not ns.triton_products(cuda, torch.bfloat16, 2048)
-    monkeypatch.undo()
-    monkeypatch.setattr(core_kernels, "ENABLED", False)
-    assert not ns.triton_products(cuda, torch.bfloat16, 2048)
+    with monkeypatch.context() as m:
+        m.setattr(core_kernels, "ENABLED", False)
+        assert not ns.triton_products(cuda, torch.bfloat16, 2048)
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not ns.triton_products(cuda, torch.bfloat16, 2048)
+    gpu_capability((7, 5))
+    assert ns.triton_products(cuda, torch.float32, 2048) and not ns.triton_products(cuda, torch.bfloat16, 2048)
 
 
-def test_gpu_plan_counts_the_kernel_tiles(monkeypatch):
+def test_gpu_plan_counts_the_kernel_tiles(monkeypatch, gpu_capability):
     """On a GPU the FLOP model (``ns_flops``, which picks standard or Gram under "auto" and balances ranks) counts
     the kernel's tiles as row blocks (a 2,048-row matrix: 16 tiles of 128, 136 of 256 computed); torch's GEMMs count
     as one block; the CPU keeps its profile's row blocks."""

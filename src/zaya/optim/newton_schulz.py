@@ -223,12 +223,12 @@ def _kernels() -> ModuleType:
 
 def triton_products(device: torch.device, dtype: torch.dtype, m: int) -> bool:
     """Whether the symmetric products of ``m``-row matrices of ``dtype`` on ``device`` run in the Triton kernel:
-    a GPU and triton (``zaya.core.kernels``), bf16 or fp32, and more than one tile's rows (one tile saves nothing).
-    Elsewhere they are torch's GEMMs (by row blocks on the CPU)."""
+    a GPU and triton (``zaya.core.kernels``), a dtype the kernel compiles there (bf16 or fp32), and more than one
+    tile's rows (one tile saves nothing). Elsewhere they are torch's GEMMs (by row blocks on the CPU)."""
     if not triton_device(device):
         return False
     kernels = _kernels()
-    return kernels is not None and dtype in kernels.DTYPES and m > kernels.TILE
+    return kernels is not None and m > kernels.TILE and kernels.supports(device, dtype)
 
 
 def _sym(out: Tensor, a: Tensor, b: Tensor, nb: int, c: Tensor | None = None, beta: float = 0.0,

@@ -71,6 +71,15 @@ def _sym_kernel(A, B, C, OUT, m, k, alpha, beta,
 
 
 @functools.cache
+def supports(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernel compiles for ``dtype`` on GPU ``device``: fp32 everywhere, bf16 products on NVIDIA from
+    Ampere (compute capability 8.0) on and on AMD's ROCm GPUs."""
+    if dtype not in DTYPES:
+        return False
+    return dtype != torch.bfloat16 or bool(torch.version.hip) or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
     """Streaming multiprocessors (compute units on AMD) of ``device``."""
     return torch.cuda.get_device_properties(device).multi_processor_count
