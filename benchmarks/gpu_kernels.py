@@ -487,6 +487,9 @@ def check_ns_triton(ctx: Ctx, r: dict[str, Any]) -> None:
     if ns._kernels() is None:
         r["skipped"] = "triton does not import in this Python: Newton-Schulz takes torch's GEMMs"
         return
+    if not ns.triton_products(ctx.device, torch.bfloat16, 2048):
+        r["skipped"] = "the kernel takes no bf16 products on this GPU (NVIDIA before Ampere): torch's GEMMs run"
+        return
     repeats = ctx.pick(5, 3, 2)
     shapes = _muon_shapes(ctx)
     r.update(shapes=[list(s) for s in shapes], repeats=repeats, ns_dtype="bfloat16", tile=ns._kernels().TILE)
