@@ -5,9 +5,9 @@ straight into ``moe_norm``: in eager torch that is about ten kernels each way, e
 ``residual_norm`` computes both in one pass over the rows (``zaya.model.fused_norm_triton``); ``join_residual``
 (the MoE output's join) and ``rms_norm`` (a block's attention norm, the final norm) are the two halves alone, one
 kernel each way instead of five to eight. The kernels are taken where they help: a CUDA or ROCm tensor, triton
-importable, not while torch.compile traces (inductor fuses the same ops itself) and rows no wider than
-``fused_norm_triton.MAX_COLS`` (``zaya.core.kernels``). Set ``zaya.core.kernels.ENABLED = False`` to force the torch
-path everywhere.
+importable, not while torch.compile traces (inductor fuses the same ops itself; these three are
+``zaya.core.kernels``'s, shared by every Triton kernel) and rows no wider than ``fused_norm_triton.MAX_COLS``. Set
+``zaya.core.kernels.ENABLED = False`` to force the torch path everywhere.
 """
 
 from __future__ import annotations
