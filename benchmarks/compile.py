@@ -20,7 +20,16 @@ is the largest relative difference of their losses over every step (fp32: roundi
 
 ``--profile N``: then N compiled steps under torch's profiler, and a JSON line with where their CPU time went:
 inside the compiled regions (forward, backward) and outside them (the rest of the forward and backward: the
-embedding, the head's GEMM, gradient accumulation; the clip; the optimizer), and the top operators by self time.
+embedding, the head's GEMM, gradient accumulation; the clip; the optimizer), the top operators by self time, and
+the GEMMs split into the experts' (``aten::_grouped_mm``, one ``aten::mm`` per expert on a CPU, with what it calls)
+and every other ``aten::mm``/``addmm``/``bmm`` (``gemm_shares``).
+
+``--cpp-gemm`` (issue 36): one more compiled copy whose blocks and loss compile with inductor's GEMM autotuning
+on and its C++ GEMM templates among the choices (``CPP_GEMM``: ``max_autotune``, ``max_autotune_gemm_backends``
+"CPP,ATEN"), timed in the same rounds; ``cpp_gemm_gain`` is the default compiled copy's median CPU time over its,
+``cpp_gemm_autotuned`` the number of GEMMs for which inductor had more than aten's kernel to choose from (its
+``select_algorithm_autotune`` counter; 0: every GEMM stayed aten's). With ``--backend`` other than inductor (the
+smoke test) that copy compiles like the other.
 
 ``--cca-taps`` (issue 36): two more copies, eager and compiled, whose CCA layers run their convolutions as
 explicit taps (benchmarks/cca_attention.py's ``taps_convolutions``), timed in the same rounds; ``taps_*_gain`` is
@@ -30,7 +39,7 @@ Shapes: ``tiny`` is configs/tiny.toml's model (d=256, 4 layers, 8 experts, 16 x 
 its width and expert width (d=512, expert 1024, 8 query heads, 8 x 256 tokens).
 
 Run: ``PYTHONPATH=src .venv/bin/python benchmarks/compile.py [--shapes tiny,wide] [--dtypes fp32,bf16]
-[--steps N] [--warmup N] [--threads N] [--backend inductor] [--cache-dir DIR] [--cca-taps]``. Prints one JSON line per
+[--steps N] [--warmup N] [--threads N] [--backend inductor] [--cache-dir DIR] [--cpp-gemm] [--cca-taps]``. Prints one JSON line per
 (shape, dtype) and a final line with the speed-ups.
 """
 
@@ -73,6 +82,15 @@ SHAPES = {
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 TARGET = 1.3
 """Issue 36's target: a compiled step at least 1.3x the eager step on the tiny shape."""
+CPP_GEMM = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+"""Inductor's options for ``--cpp-gemm``: autotune each GEMM among aten's kernel and inductor's C++ templates."""
+
+
+def cpp_gemm_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """Inductor with ``CPP_GEMM`` (a ``torch.compile`` backend)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=CPP_GEMM)
 
 
 class Copy:
@@ -108,15 +126,18 @@ def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     eager_model = ZayaForCausalLM(ModelConfig(**fields))
     models = {"eager": eager_model, "compiled": copy.deepcopy(eager_model)}
+    if args.cpp_gemm:
+        models["cpp_gemm_compiled"] = copy.deepcopy(eager_model)
     if args.cca_taps:
         models["taps_eager"], models["taps_compiled"] = copy.deepcopy(eager_model), copy.deepcopy(eager_model)
         for name in ("taps_eager", "taps_compiled"):
             use_cca_taps(models[name])
-    compile_module.BACKEND = args.backend
     torch._dynamo.reset()
     copies = {}
     for name, model in models.items():
         if name.endswith("compiled"):
+            tuned = name == "cpp_gemm_compiled" and args.backend == "inductor"
+            compile_module.BACKEND = cpp_gemm_backend if tuned else args.backend
             compile_module.CompiledBlocks(model, log=lambda m: print(m, file=sys.stderr))
         copies[name] = Copy(model, DTYPES[dtype])
     eager, compiled = copies["eager"], copies["compiled"]
@@ -127,8 +148,10 @@ def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
         return ids[:, :-1], ids[:, 1:]
 
     ids, labels = batch_of_tokens()
+    autotuned = torch._dynamo.utils.counters["inductor"]["select_algorithm_autotune"]
     first = {name: timed(c, ids, labels) for name, c in copies.items()}  # compiles the compiled copies
     compile_s = {name: first[name][0] for name in copies if name.endswith("compiled")}
+    autotuned = torch._dynamo.utils.counters["inductor"]["select_algorithm_autotune"] - autotuned
     eager_loss = first["eager"][2]
     diffs = [max(abs(r[2] - eager_loss) / abs(eager_loss) for r in first.values())]
     for _ in range(args.warmup):
@@ -151,9 +174,15 @@ def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
     eager_s, compiled_s = statistics.median(times["eager"]), statistics.median(times["compiled"])
     eager_cpu, compiled_cpu = statistics.median(cpu["eager"]), statistics.median(cpu["compiled"])
     taps = {}
+    if args.cpp_gemm:
+        med = statistics.median(cpu["cpp_gemm_compiled"])
+        taps = {"cpp_gemm_compile_s": round(compile_s["cpp_gemm_compiled"] - eager_s, 2),
+                "cpp_gemm_cpu_s": round(med, 4), "cpp_gemm_gain": round(compiled_cpu / med, 3),
+                "cpp_gemm_cpu_speedup": round(eager_cpu / med, 3), "cpp_gemm_autotuned": autotuned,
+                "cpp_gemm_times_s": [round(t, 4) for t in times["cpp_gemm_compiled"]]}
     if args.cca_taps:
         med = {name: statistics.median(cpu[name]) for name in ("taps_eager", "taps_compiled")}
-        taps = {"taps_compile_s": round(compile_s["taps_compiled"] - statistics.median(times["taps_eager"]), 2),
+        taps |= {"taps_compile_s": round(compile_s["taps_compiled"] - statistics.median(times["taps_eager"]), 2),
                 "taps_eager_cpu_s": round(med["taps_eager"], 4), "taps_compiled_cpu_s": round(med["taps_compiled"], 4),
                 "taps_eager_gain": round(eager_cpu / med["taps_eager"], 3),
                 "taps_compiled_gain": round(compiled_cpu / med["taps_compiled"], 3),
@@ -199,9 +228,14 @@ def profile_shares(copy_: Copy, batches: list[tuple[torch.Tensor, torch.Tensor]]
         key = "inductor's kernels" if e.key.startswith("## Call CompiledFxGraph") else e.key
         self_time[key] = self_time.get(key, 0.0) + e.self_cpu_time_total
     top = sorted(self_time.items(), key=lambda kv: -kv[1])[:8]
+    experts = total.get("aten::_grouped_mm", 0.0)
+    experts_self = sum(e.self_cpu_time_total for e in events if e.key == "aten::_grouped_mm")
+    gemms = sum(self_time.get(k, 0.0) for k in ("aten::mm", "aten::addmm", "aten::bmm"))
     return {"profile_steps": len(batches), "step_cpu_s": round(step / 1e6 / len(batches), 4),
             "shares": {k: round(v / step, 3) for k, v in parts.items()},
-            "top_self": {k: round(v / step, 3) for k, v in top}}
+            "top_self": {k: round(v / step, 3) for k, v in top},
+            "gemm_shares": {"experts' grouped_mm": round(experts / step, 3),
+                            "other GEMMs": round((gemms - (experts - experts_self)) / step, 3)}}
 
 
 def main() -> None:
@@ -212,6 +246,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: a smoke test)")
+    parser.add_argument("--cpp-gemm", action="store_true",
+                        help="also time a compiled copy with inductor's GEMM autotuning and C++ GEMM templates")
     parser.add_argument("--cca-taps", action="store_true",
                         help="also time an eager and a compiled copy with the CCA convolutions as explicit taps")
     parser.add_argument("--profile", type=int, default=0, help="then profile this many compiled steps")

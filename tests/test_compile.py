@@ -156,7 +156,7 @@ def test_the_compile_benchmark_reports_both_steps(monkeypatch, capsys):
     monkeypatch.setenv(CACHE_ENV, "")  # the script sets it too
     machine, row, final = run_benchmark(monkeypatch, capsys, "compile.py", "--shapes", "micro", "--backend",
                                         "aot_eager", "--steps", "2", "--warmup", "0", "--threads", "1",
-                                        "--quiet-below", "1", "--profile", "1")
+                                        "--quiet-below", "1", "--profile", "1", "--cpp-gemm")
     assert machine["machine"] and machine["threads"] == 1
     assert row["shape"] == "micro" and row["dtype"] == "fp32" and row["backend"] == "aot_eager", row
     assert len(row["eager_times_s"]) == len(row["compiled_times_s"]) == 2 and row["speedup"] > 0, row
@@ -168,4 +168,8 @@ def test_the_compile_benchmark_reports_both_steps(monkeypatch, capsys):
     assert set(shares) == {"compiled forward", "eager forward", "compiled backward", "eager backward", "clip",
                            "optimizer"} and shares["compiled forward"] > 0 and shares["compiled backward"] > 0, row
     assert abs(sum(shares.values()) - 1) < 0.01 and row["top_self"], row
+    gemms = row["gemm_shares"]  # the micro shape's experts run through grouped_mm, its other projections through mm
+    assert gemms["experts' grouped_mm"] > 0 and gemms["other GEMMs"] > 0, row
+    # The third copy (its own compile through aot_eager here: no autotuning), timed in the same rounds.
+    assert len(row["cpp_gemm_times_s"]) == 2 and row["cpp_gemm_cpu_s"] > 0 and row["cpp_gemm_autotuned"] == 0, row
     assert final == {"final": True, "speedups": {"micro/fp32": row["speedup"]}, "target": 1.3, "target_met": False}
