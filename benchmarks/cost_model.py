@@ -16,12 +16,21 @@ prediction on this CPU's profile measured by microbenchmarks (``zaya.tune.cost.m
 ``--rounds`` alternating rounds (medians). Both on ``zaya.tune.cost.cpu_clock``: at one thread, this thread's CPU
 time, so that what other jobs on a shared machine take is neither the step's nor the microbenchmarks'.
 
+Operands in memory (``cold_gemms``): Muon's products in the tiny step timed alone, operands hot and cold, beside the
+model's cold rate (the measured hot rate plus the bytes at the copy bandwidth: ``Device.gemm_loads_overlap``).
+
+The MoE block's host time (``moe_block_host``): the same block's forward + backward on this CPU at ZAYA1-base's
+structure (16 experts, top-1, skip class, EDA) but a width of 16, every grouped GEMM replaced by one kernel of its
+result's shape (a CPU runs a grouped GEMM as a loop over experts, a GPU as one kernel), so that each iteration's time
+is what issuing its ops costs the host (Python, autograd, dispatch), beside what the cost model charges for them.
+
 Then ZAYA1-base's micro-batch (ZeRO-1, 4k context; micro-batch 1 as configs/zaya1-base.toml, and 5 on the
 MI300X, the most ``zaya plan`` fits there without activation checkpointing; the loss in today's GPU chunks) on the
 H200 and the MI300X: forward + backward, eager, compiled, and what-ifs (the loss fused too; attention kernels at the
 GEMMs' efficiency), with MFU, and the top sinks of one full-depth trace.
 
-Run: ``PYTHONPATH=src python benchmarks/cost_model.py [--smoke] [--rounds N] [--skip-cpu]``; prints one JSON object.
+Run: ``PYTHONPATH=src python benchmarks/cost_model.py [--smoke] [--rounds N] [--skip-cpu] [--moe-host]``; prints one
+JSON object (``--moe-host``: only the MoE block's host time and the cold GEMMs).
 """
 
 from __future__ import annotations
@@ -77,6 +86,90 @@ def _moe_block_kernels(cfg: ModelConfig, tokens: int):
             out, latent, _, _ = block(h, prev, None)
             torch.autograd.backward([out, latent], [torch.empty_like(out), torch.empty_like(latent)])
     return rec.kernels
+
+
+COLD_SHAPES = ((256, 256, 256), (256, 256, 1024), (256, 1024, 256))
+"""(m, k, n) of Muon's Newton-Schulz products in the tiny step: B = bA + cA^2, X = aX + BX, A = X X^T."""
+
+
+def cold_gemms(rounds: int, smoke: bool) -> list[dict]:
+    """Each of ``COLD_SHAPES`` as ``torch.addmm(c, a, b, out=o)`` at one thread, on thread CPU time: with one operand
+    set (hot: in cache) and rotated over 48 (cold: tens of MB, past the caches), each rate the median of ``rounds``
+    interleaved windows of 0.15 s; beside the cost model's cold rate, the hot one with the call's bytes (c, a, b
+    read, o written) at this CPU's copy bandwidth added."""
+    torch.set_num_threads(1)
+    shapes = ((16, 16, 16),) if smoke else COLD_SHAPES
+    cases = {}
+    for m, k, n in shapes:
+        for sets in (1, 48):
+            ops = [(torch.randn(m, n), torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)) for _ in range(sets)]
+            cases[(m, k, n, sets)] = ops
+    rates: dict[tuple, list[float]] = {key: [] for key in cases}
+    for _ in range(rounds):
+        for key, ops in cases.items():
+            calls, t0 = 0, time.thread_time()
+            while time.thread_time() - t0 < 0.15:
+                c, a, b, o = ops[calls % len(ops)]
+                torch.addmm(c, a, b, beta=0.5, alpha=2.0, out=o)
+                calls += 1
+            rates[key].append(2.0 * key[0] * key[1] * key[2] * calls / (time.thread_time() - t0))
+    bandwidth = measure_cpu().bandwidth
+    rows = []
+    for m, k, n in shapes:
+        flops, nbytes = 2.0 * m * k * n, 4 * (2 * m * n + m * k + k * n)
+        hot, cold = (statistics.median(rates[(m, k, n, sets)]) for sets in (1, 48))
+        rows.append({"m_k_n": [m, k, n], "hot_gflops": round(hot / 1e9, 1), "cold_gflops": round(cold / 1e9, 1),
+                     "model_cold_gflops": round(flops / (flops / hot + nbytes / bandwidth) / 1e9, 1)})
+    return rows
+
+
+def moe_block_host(rounds: int, smoke: bool) -> dict:
+    """The MoE block's forward + backward as the H200 check ran it (bf16 weights and input, 2 x 2,048 tokens scaled
+    down to 2 x 32), at width 16 on this CPU at one thread: thread CPU time per iteration (median of ``rounds``
+    rounds of 20), its kernels and ops without one, and the host time the cost model charges for them here (this
+    CPU's measured small op and view) and on the H200 (5 / 1 us)."""
+    from zaya.model.moe import MoEBlock
+
+    torch.set_num_threads(1)
+    cfg = dataclasses.replace(_base(smoke=smoke), hidden_size=16, expert_hidden_size=16, router_hidden_size=16)
+    torch.manual_seed(0)
+    block = MoEBlock(cfg, 1)
+    block.reset_parameters(cfg.init_std, cfg.num_layers)
+    for p in block.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    h = torch.randn(2, 32, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    prev = torch.randn(2, 32, cfg.router_hidden_size, dtype=torch.bfloat16)
+    grads = torch.randn(2, 32, cfg.hidden_size), torch.randn(2, 32, cfg.router_hidden_size)
+    grouped_mm = torch.nn.functional.grouped_mm
+
+    def one_kernel(a, b, offs=None):
+        return a.new_zeros((a.shape[0], b.shape[-1]) if b.dim() == 3 else (offs.shape[0], a.shape[0], b.shape[-1]))
+
+    def iteration() -> None:
+        for p in block.parameters():
+            p.grad = None
+        h.grad = None
+        out, latent, _, _ = block(h, prev, None)
+        torch.autograd.backward([out, latent], [grads[0].to(out.dtype), grads[1].to(latent.dtype)])
+
+    torch.nn.functional.grouped_mm = one_kernel
+    try:
+        iteration()
+        with KernelRecorder() as rec:
+            iteration()
+        times = []
+        for _ in range(rounds):
+            t0 = time.thread_time()
+            for _ in range(20):
+                iteration()
+            times.append((time.thread_time() - t0) / 20)
+    finally:
+        torch.nn.functional.grouped_mm = grouped_mm
+    kernels, others = len(rec.kernels), sum(k.host_ops for k in rec.kernels)
+    cpu, h200 = measure_cpu(), DEVICES["h200"]
+    return {"host_ms": round(statistics.median(times) * 1e3, 2), "kernels": kernels, "ops_without_kernel": others,
+            "model_host_ms_this_cpu": round((kernels * cpu.launch_s + others * cpu.host_op_s) * 1e3, 2),
+            "model_host_ms_h200": round((kernels * h200.launch_s + others * h200.host_op_s) * 1e3, 2)}
 
 
 def _muon_kernels(method: str, shapes, device_plans):
@@ -242,12 +335,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="CPU rounds (a profile and a step of each shape)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of the CPU rounds (default 1)")
     ap.add_argument("--skip-cpu", action="store_true")
+    ap.add_argument("--moe-host", action="store_true",
+                    help="only the MoE block's host time and the cold GEMMs on this CPU")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.moe_host:
+        print(json.dumps({"cold_gemms": cold_gemms(args.rounds, args.smoke),
+                          "moe_block_host": moe_block_host(args.rounds, args.smoke)}))
+        return
     result = {"gpu_validation": gpu_validation(args.smoke)}
     if not args.skip_cpu:
         result["cpu_validation"], result["cpu_profile"] = cpu_validation(1 if args.smoke else args.rounds, args.smoke,
                                                                        args.threads)
+        result["cold_gemms"] = cold_gemms(1 if args.smoke else args.rounds, args.smoke)
+        result["moe_block_host"] = moe_block_host(1 if args.smoke else args.rounds, args.smoke)
     result["zaya1_base_4k"] = zaya1_base(args.smoke)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result))

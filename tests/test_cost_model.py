@@ -91,12 +91,13 @@ def test_timeline_overlaps_host_and_device():
     assert timeline([(1, 10, False), (20, 1, False)], True) == [(11, 10), (11, 1)]  # the device waits 10 for it
 
 
-_TOY = Device("toy", {"float32": 1e12, "bfloat16": 1e12}, 1e9, gemm_efficiency=1.0, attention_efficiency=1.0,
-              bandwidth_efficiency=1.0, launch_s=5e-6, host_op_s=1e-6, compute_units=4, tile=(128, 256))
+_TOY = Device("toy", {"float32": 1e12, "bfloat16": 1e12}, 1e9, gemm_efficiency=1.0,
+              grouped_gemm_efficiency=0.25, attention_efficiency=1.0, bandwidth_efficiency=1.0, launch_s=5e-6,
+              host_op_s=1e-6, compute_units=4, tile=(128, 256))
 
 
-def _kernel(kind=GEMM, flops=0.0, nbytes=0, tiles=(0, 0, 0), rows=0, host_ops=0):
-    return Kernel("k", kind, flops, nbytes, "float32", "p", "forward", tiles, rows=rows, host_ops=host_ops)
+def _kernel(kind=GEMM, flops=0.0, nbytes=0, tiles=(0, 0, 0), rows=0, host_ops=0, op="k"):
+    return Kernel(op, kind, flops, nbytes, "float32", "p", "forward", tiles, rows=rows, host_ops=host_ops)
 
 
 def test_wave_quantisation():
@@ -109,6 +110,26 @@ def test_wave_quantisation():
     assert kernel_seconds(k, _TOY) == pytest.approx(6e9 / (1e12 * 0.75))
     skinny = _kernel(flops=1e6, nbytes=10 ** 6, tiles=(1, 16, 512))  # the memory roofline: 1 ms of bytes
     assert kernel_seconds(skinny, _TOY) == pytest.approx(1e-3)
+
+
+def test_grouped_gemm_efficiency():
+    """A grouped GEMM (aten's or zaya's) runs at the grouped efficiency times its waves; a plain one of the same
+    shape at the plain efficiency."""
+    for op in ("_grouped_mm", "grouped_mm"):
+        assert kernel_seconds(_kernel(flops=1e9, tiles=(4, 128, 256), op=op), _TOY) == pytest.approx(1e9 / 0.25e12)
+        assert kernel_seconds(_kernel(flops=1e9, tiles=(3, 128, 256), op=op), _TOY) == \
+            pytest.approx(1e9 / (0.25e12 * 0.75))
+    assert kernel_seconds(_kernel(flops=1e9, tiles=(4, 128, 256), op="bmm"), _TOY) == pytest.approx(1e9 / 1e12)
+
+
+def test_gemm_loads_add_where_they_do_not_overlap():
+    """A device whose GEMM loads overlap compute takes the roofline's max; one whose do not (a CPU) the sum of the
+    compute and the bytes' time; other kernels stay memory-bound either way."""
+    k = _kernel(flops=1e9, nbytes=10 ** 6, tiles=(1, 256, 512))  # one full wave: 1 ms of compute, 1 ms of bytes
+    serial = dataclasses.replace(_TOY, gemm_loads_overlap=False)
+    assert kernel_seconds(k, _TOY) == pytest.approx(1e-3)
+    assert kernel_seconds(k, serial) == pytest.approx(1e-3 + 1e-3)
+    assert kernel_seconds(_kernel(OTHER, nbytes=10 ** 6), serial) == pytest.approx(1e-3)
 
 
 def test_gemm_curve_by_flops():
@@ -216,3 +237,6 @@ def test_benchmark_smoke():
     assert len(out["gpu_validation"]) == 7 and len(out["cpu_validation"]) == 1
     assert all(r["predicted_ms"] > 0 for r in out["gpu_validation"] + out["cpu_validation"])
     assert {r["variant"] for r in out["zaya1_base_4k"]["rows"]} >= {"eager", "compiled (blocks)"}
+    assert all(r["hot_gflops"] > 0 and r["cold_gflops"] > 0 for r in out["cold_gemms"])
+    host = out["moe_block_host"]
+    assert host["host_ms"] > 0 and host["kernels"] > 0 and host["model_host_ms_h200"] > 0

@@ -14,10 +14,12 @@ once, and the ops that launch nothing cost the host nothing.
 GEMM efficiency by shape: a large GEMM reaches ``gemm_efficiency`` of the peak. On a GPU a smaller one loses to
 wave quantisation (its output tiles, ``tile``, spread over the compute units: a last, partial wave idles the rest;
 a grouped GEMM's tiles counted per group, at its rows per group), and a skinny one is bound by its bytes (the
-memory roofline). On a CPU the profile carries the measured rates of square GEMMs by size (``gemm_curve``): a GEMM
-runs at that of the square one of its FLOPs (per group for a grouped one). A row-wise kernel (softmax: one thread
-block per row on a GPU) with fewer rows than compute units leaves the rest idle, the busy ones drawing only their
-share of the bandwidth.
+memory roofline); a grouped (MoE expert) GEMM reaches a lower share than a plain one (``grouped_gemm_efficiency``).
+On a CPU the profile carries the measured rates of square GEMMs by size (``gemm_curve``, operands in cache): a GEMM
+runs at that of the square one of its FLOPs (per group for a grouped one), after streaming its operands and result
+from and to memory (``gemm_loads_overlap`` False: in a step the kernels between evict them). A row-wise kernel
+(softmax: one thread block per row on a GPU) with fewer rows than compute units leaves the rest idle, the busy ones
+drawing only their share of the bandwidth.
 
 Device numbers (``DEVICES``) are the vendors' datasheet peaks; the efficiencies and host costs are stated figures
 from published measurements of other software, not fitted to zaya's figures (``benchmarks/cost_model.py`` validates
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zaya.tune.kernel_trace import ATTENTION, GEMM, Kernel
+from zaya.tune.kernel_trace import ATTENTION, GEMM, GROUPED_GEMMS, Kernel
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class Device:
     """Memory bandwidth, bytes/s."""
     gemm_efficiency: float
     """Share of the peak a large GEMM reaches."""
+    grouped_gemm_efficiency: float
+    """Share of the peak a large grouped (MoE expert) GEMM reaches, its tiles filling every wave."""
     attention_efficiency: float
     """Share of the peak a flash-attention kernel reaches (forward and backward alike)."""
     bandwidth_efficiency: float
@@ -61,32 +65,41 @@ class Device:
     compute_units: int = 1
     """SMs / CUs (the wave model); 1 = no wave model (a CPU)."""
     tile: tuple[int, int] = (128, 256)
+    gemm_loads_overlap: bool = True
+    """A GEMM's operand loads overlap its compute (a GPU's pipelined loads: the roofline's max). False (a CPU): the
+    GEMM rates are measured with operands in cache, and in a step each GEMM first streams its operands and result
+    from and to memory (the kernels between evicted them), so bytes / bandwidth adds to the compute time."""
     gemm_curve: tuple[tuple[float, float], ...] = ()
     """(FLOPs, rate / peak) of square GEMMs by size, measured (a CPU; above 1 where a mid-size GEMM, its operands
     in cache, beats the 1024^3 one of the peak); empty = the wave model."""
     source: str = ""
 
 
-# Datasheets: NVIDIA H100 SXM5 and H200 SXM (989 TFLOP/s dense bf16, 67 TFLOP/s fp32, 132 SMs; HBM3 3.35 TB/s,
-# HBM3e 4.8 TB/s); AMD Instinct MI300X (1,307 TFLOP/s dense bf16, 163 TFLOP/s fp32 matrix, 304 CUs, 5.3 TB/s).
-# Efficiencies, assumed from published measurements (not zaya's): cuBLAS bf16 GEMMs of thousands on a side reach
-# about 75 % of the H100's dense peak, hipBLASLt about 45 % of the MI300X's (SemiAnalysis's MI300X vs H100 training
-# study, 2024); torch's flash-attention kernels (FlashAttention-2) about 35 % of Hopper's peak (FlashAttention-3
-# paper, 2024), assumed the same for the MI300X's CK kernels; streaming kernels 90 % of HBM bandwidth on Hopper,
-# 80 % on the MI300X. Host costs of eager PyTorch on a server CPU, from the published breakdown of one op's path
-# (Python bytecode ~1 us, pybind11 ~1 us, autograd recording 1-3 us, ATen dispatcher 1-2 us, cudaLaunchKernel 1-3
-# us; "From PyTorch op to kernel launch", jiahuanglin.xyz GPU kernel lessons, lesson 18): an op that launches a
-# kernel 5 us (the sum's lower end), one that launches none 1 us (a dispatcher round: most are issued from C++,
-# by composite ops and the autograd engine, not from Python); hipLaunchKernel taken alike.
+# Datasheets: NVIDIA H100 SXM5 and H200 SXM (989 TFLOP/s dense bf16, 67 TFLOP/s fp32, 132 SMs; HBM3 3.35 TB/s, HBM3e
+# 4.8 TB/s); AMD Instinct MI300X (1,307 TFLOP/s dense bf16, 163 TFLOP/s fp32 matrix, 304 CUs, 5.3 TB/s). Efficiencies,
+# assumed from published measurements (not zaya's): cuBLAS bf16 GEMMs of thousands on a side reach about 75 % of the
+# H100's dense peak, hipBLASLt about 45 % of the MI300X's (SemiAnalysis's MI300X vs H100 training study, 2024);
+# CUTLASS's SM90 grouped GEMM (the kernel torch's grouped_mm runs on Hopper) about 16 % of the H100's dense peak at an
+# MoE shape with full waves (160.5 TFLOP/s: 128 experts x 512 rows, K 2048, N 1536, bf16, the cooperative schedule;
+# cuBLAS expert by expert 129.5; tgale96/grouped_gemm PR 37, 2026), no published figure for the MI300X's grouped GEMM
+# (taken as its dense GEMMs'); torch's flash-attention kernels (FlashAttention-2) about 35 % of Hopper's peak
+# (FlashAttention-3 paper, 2024), assumed the same for the MI300X's CK kernels; streaming kernels 90 % of HBM
+# bandwidth on Hopper, 80 % on the MI300X. Host costs of eager PyTorch on a server CPU, from the published breakdown
+# of one op's path (Python bytecode ~1 us, pybind11 ~1 us, autograd recording 1-3 us, ATen dispatcher 1-2 us,
+# cudaLaunchKernel 1-3 us; "From PyTorch op to kernel launch", jiahuanglin.xyz GPU kernel lessons, lesson 18): an op
+# that launches a kernel 5 us (the sum's lower end), one that launches none 1 us (a dispatcher round: most are issued
+# from C++, by composite ops and the autograd engine, not from Python); hipLaunchKernel taken alike.
 _HOST = dict(launch_s=5e-6, host_op_s=1e-6)
-_HOPPER = dict(gemm_efficiency=0.75, attention_efficiency=0.35, bandwidth_efficiency=0.9, compute_units=132, **_HOST)
+_HOPPER = dict(gemm_efficiency=0.75, grouped_gemm_efficiency=0.16, attention_efficiency=0.35, bandwidth_efficiency=0.9,
+               compute_units=132, **_HOST)
 DEVICES: dict[str, Device] = {
     "h100": Device("NVIDIA H100 SXM", {"bfloat16": 989e12, "float32": 67e12}, 3.35e12, **_HOPPER,
                    source="NVIDIA H100 datasheet"),
     "h200": Device("NVIDIA H200 SXM", {"bfloat16": 989e12, "float32": 67e12}, 4.8e12, **_HOPPER,
                    source="NVIDIA H200 datasheet"),
     "mi300x": Device("AMD Instinct MI300X", {"bfloat16": 1307e12, "float32": 163e12}, 5.3e12, gemm_efficiency=0.45,
-                     attention_efficiency=0.35, bandwidth_efficiency=0.8, compute_units=304, **_HOST,
+                     grouped_gemm_efficiency=0.45, attention_efficiency=0.35, bandwidth_efficiency=0.8,
+                     compute_units=304, **_HOST,
                      source="AMD MI300X datasheet"),
 }
 
@@ -127,9 +140,9 @@ def measure_cpu(threads: int | None = None, seconds: float = 0.3) -> Device:
     attn = _best(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True), seconds, clock)
     attn_rate = 0.5 * 4 * 4 * 512 * 512 * 64 * 4 / attn
     name = f"this CPU ({torch.get_num_threads()} threads)"
-    return Device(name, peaks, 2 * src.numel() * 4 / copy, gemm_efficiency=1.0,
+    return Device(name, peaks, 2 * src.numel() * 4 / copy, gemm_efficiency=1.0, grouped_gemm_efficiency=1.0,
                   attention_efficiency=min(1.0, attn_rate / peaks["float32"]), bandwidth_efficiency=1.0,
-                  launch_s=launch, host_op_s=view, asynchronous=False,
+                  launch_s=launch, host_op_s=view, asynchronous=False, gemm_loads_overlap=False,
                   gemm_curve=tuple((2.0 * n ** 3, r / peaks["float32"]) for n, r in rates.items()),
                   source="measured here: matmuls by size, copy, SDPA, small ops and views")
 
@@ -190,15 +203,16 @@ def curve_efficiency(flops: float, curve: tuple[tuple[float, float], ...]) -> fl
 
 def gemm_efficiency(kernel: Kernel, device: Device) -> float:
     """A GEMM's share of the peak by its shape: the measured curve at its FLOPs per group where the device has one,
-    else the large-GEMM efficiency times the wave quantisation."""
+    else the large (grouped or plain) GEMM's efficiency times the wave quantisation."""
     if device.gemm_curve:
         return curve_efficiency(kernel.flops / max(1, kernel.tiles[0]), device.gemm_curve)
-    return device.gemm_efficiency * wave_efficiency(kernel, device)
+    large = device.grouped_gemm_efficiency if kernel.op in GROUPED_GEMMS else device.gemm_efficiency
+    return large * wave_efficiency(kernel, device)
 
 
 def kernel_seconds(kernel: Kernel, device: Device, nbytes: int | None = None) -> float:
     """One kernel's time on the device, compute- or memory-bound (``nbytes`` overrides its bytes: a fused
-    kernel's)."""
+    kernel's); a GEMM on a device whose loads do not overlap its compute (``gemm_loads_overlap``) both."""
     peak = device.peak_flops.get(kernel.dtype, device.peak_flops["float32"])
     compute = 0.0
     if kernel.kind == GEMM:
@@ -206,6 +220,8 @@ def kernel_seconds(kernel: Kernel, device: Device, nbytes: int | None = None) ->
     elif kernel.kind == ATTENTION:
         compute = kernel.flops / (peak * device.attention_efficiency)
     memory = (kernel.bytes if nbytes is None else nbytes) / (device.bandwidth * device.bandwidth_efficiency)
+    if kernel.kind == GEMM and not device.gemm_loads_overlap:
+        return compute + memory
     return max(compute, memory / row_occupancy(kernel, device))
 
 

@@ -36,6 +36,8 @@ from zaya.core.hardware import PROFILE_ENV, HardwareProfile
 aten = torch.ops.aten
 
 GEMM, ATTENTION, OTHER = "gemm", "attention", "other"
+GROUPED_GEMMS = ("_grouped_mm", "grouped_mm")
+"""The grouped (MoE expert) GEMM kernels: aten's and ``zaya::grouped_mm``."""
 _PART = "zaya_part"
 
 # Ops that make no kernel: allocation without initialisation, metadata, host reads (each a host dispatch).
@@ -200,7 +202,7 @@ class KernelRecorder(TorchDispatchMode):
             flops = sdpa_backward_flop_count(tuple(args[0].shape), *shapes) if func in _SDPA_BACKWARD \
                 else sdpa_flop_count(*shapes)
             return flops * (0.5 if causal else 1.0), ATTENTION, (0, 0, 0)
-        if name in ("_grouped_mm", "grouped_mm"):  # aten's and zaya::grouped_mm
+        if name in GROUPED_GEMMS:
             a, b = args[0], args[1]
             if b.dim() == 3:  # [M, K] x [E, K, N] -> [M, N], rows split among the E groups
                 groups, (m, n), k = b.shape[0], out.shape, a.shape[1]
