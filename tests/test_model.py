@@ -325,12 +325,18 @@ def test_gradient_reaches_every_parameter(overrides):
     assert not missing
 
 
-def test_raw_gradients_have_their_parameters_strides():
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_raw_gradients_have_their_parameters_strides(backend):
     """The gradients autograd hands to each parameter (before AccumulateGrad re-lays them out) keep the parameter's
-    strides. DDP's reducer and FSDP take those raw gradients: one laid out otherwise (the CCA convolutions run
+    strides, eager and with the blocks compiled (as ``train.compile`` does; "aot_eager" traces the same graphs as
+    inductor). DDP's reducer and FSDP take those raw gradients: one laid out otherwise (the CCA convolutions run
     channels-last) makes DDP warn "Grad strides do not match bucket view strides" and copy it on every step."""
-    model = tiny_model(cca_grouped_kernel=3)
+    model = tiny_model(cca_grouped_kernel=3, num_layers=2 if backend else 3)
     perturb(model)
+    if backend:
+        torch._dynamo.reset()
+        for block in model.blocks:
+            block.compile(backend=backend, dynamic=False)
     ids = torch.randint(0, 97, (2, 20))
     names, params = zip(*model.named_parameters())
     grads = torch.autograd.grad(model(ids, labels=ids.roll(-1, 1)).loss, params, allow_unused=True)

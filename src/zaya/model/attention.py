@@ -45,7 +45,9 @@ class _GradientInWeightStrides(torch.autograd.Function):
     is a gradient laid out unlike the 3-D weight (even a size-1 dimension's stride differs). AccumulateGrad would
     re-lay it out, but DDP's reducer reads the raw gradient, compares strides exactly, warns "Grad strides do not
     match bucket view strides" and copies it every step. Copying the small [C, C/g, K] weight gradient here, only
-    when its strides differ, is the copy the reducer would otherwise make."""
+    when its strides differ, is the copy the reducer would otherwise make. Under ``torch.compile`` the copy is
+    made always: the strides seen while tracing need not be the compiled backward's (in a compiled block the
+    depthwise weight's raw gradient came out [K, 1, 1]-strided past the test), and inductor fuses the copy."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
@@ -54,7 +56,7 @@ class _GradientInWeightStrides(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        if grad.stride() == ctx.stride:
+        if grad.stride() == ctx.stride and not torch.compiler.is_compiling():
             return grad
         return torch.empty_strided(grad.shape, ctx.stride, dtype=grad.dtype, device=grad.device).copy_(grad)
 
