@@ -7,7 +7,8 @@ straight into ``moe_norm``: in eager torch that is about ten kernels each way, e
 kernel each way instead of five to eight. The kernels are taken where they help: a CUDA or ROCm tensor, triton
 importable, not while torch.compile traces (inductor fuses the same ops itself; these three are
 ``zaya.core.kernels``'s, shared by every Triton kernel) and rows no wider than ``fused_norm_triton.MAX_COLS``. Set
-``zaya.core.kernels.ENABLED = False`` to force the torch path everywhere.
+``zaya.core.kernels.ENABLED = False`` to force the torch path everywhere. Should a kernel fail (forward here, backward
+in its autograd function), the torch path computes that result and every later one (``zaya.core.kernels.guarded``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-from zaya.core.kernels import kernel_module, triton_device
+from zaya.core.kernels import guarded, kernel_module, triton_device
 from zaya.model.layers import ResidualScale, RMSNorm
 
 
@@ -28,9 +29,13 @@ def _kernels() -> ModuleType:
     return fused_norm_triton
 
 
+KERNEL = "fused_residual_norm"
+"""The kernels' name for ``zaya.core.kernels`` (one switch-off for all three: they share their source)."""
+
+
 def uses_triton(x: torch.Tensor) -> bool:
     """Whether ``residual_norm`` takes the Triton kernels for a branch ``x``."""
-    if x.numel() == 0 or not triton_device(x.device):
+    if x.numel() == 0 or not triton_device(x.device, KERNEL):
         return False
     kernels = _kernels()
     return kernels is not None and x.shape[-1] <= kernels.MAX_COLS
@@ -40,20 +45,24 @@ def residual_norm(scale: ResidualScale, branch: torch.Tensor, residual: torch.Te
                   residual_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(``scale(branch, residual)`` cast to ``residual_dtype``: the new residual stream, ``norm`` of it cast to the
     norm's dtype): fused on a GPU (see the module), the torch path elsewhere."""
+    def torch_path() -> tuple[torch.Tensor, torch.Tensor]:
+        res = scale(branch, residual).to(residual_dtype)
+        return res, norm(res.to(norm.weight.dtype))
+
     if uses_triton(branch):
-        return _kernels().ResidualNormFunction.apply(
+        return guarded(KERNEL, lambda: _kernels().ResidualNormFunction.apply(
             branch, residual, scale.branch_bias, scale.branch_scale, scale.residual_bias, scale.residual_scale,
-            norm.weight, norm.eps, residual_dtype)
-    res = scale(branch, residual).to(residual_dtype)
-    return res, norm(res.to(norm.weight.dtype))
+            norm.weight, norm.eps, residual_dtype), torch_path)
+    return torch_path()
 
 
 def join_residual(scale: ResidualScale, branch: torch.Tensor, residual: torch.Tensor,
                   residual_dtype: torch.dtype) -> torch.Tensor:
     """``scale(branch, residual)`` cast to ``residual_dtype``: fused on a GPU, the torch path elsewhere."""
     if uses_triton(branch):
-        return _kernels().ResidualFunction.apply(branch, residual, scale.branch_bias, scale.branch_scale,
-                                                 scale.residual_bias, scale.residual_scale, residual_dtype)
+        return guarded(KERNEL, lambda: _kernels().ResidualFunction.apply(
+            branch, residual, scale.branch_bias, scale.branch_scale, scale.residual_bias, scale.residual_scale,
+            residual_dtype), lambda: scale(branch, residual).to(residual_dtype))
     return scale(branch, residual).to(residual_dtype)
 
 
@@ -61,5 +70,5 @@ def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` for ``x`` in the norm's dtype (as the model passes it): fused on a GPU, the torch path
     elsewhere."""
     if x.dtype == norm.weight.dtype and uses_triton(x):
-        return _kernels().NormFunction.apply(x, norm.weight, norm.eps)
+        return guarded(KERNEL, lambda: _kernels().NormFunction.apply(x, norm.weight, norm.eps), lambda: norm(x))
     return norm(x)

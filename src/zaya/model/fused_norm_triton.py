@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 from zaya.core.device import backward_without_autocast
+from zaya.core.kernels import guarded
+from zaya.model.layers import _rms_norm
 
 MAX_COLS = 8192
 """The widest row the kernels take (one row is held in registers); wider rows take the torch path."""
@@ -178,6 +180,27 @@ def _backward(a, x, vectors, weight, rstd, grad_res, grad_h) -> tuple:
     return da, dx, grads
 
 
+def _torch_grads(inputs: tuple, compute, grads: tuple) -> tuple:
+    """The inputs' gradients by the torch path: ``compute(*inputs)`` again under autograd, differentiated against
+    ``grads`` (None where an output has none). The fallback of a backward kernel that failed."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    with torch.enable_grad():
+        outs = compute(*leaves)
+    used = [(o, g) for o, g in zip(outs, grads) if g is not None]
+    return torch.autograd.grad([o for o, _ in used], leaves, [g for _, g in used], allow_unused=True)
+
+
+def _scaled(a, x, bb, bs, rb, rs, residual_dtype):
+    """The torch path's residual scaling (``zaya.model.layers.ResidualScale``) cast to ``residual_dtype``."""
+    return ((a + bb) * bs + (x + rb) * rs).to(residual_dtype)
+
+
+def _flat(backward: tuple) -> tuple:
+    """``_backward``'s (d_branch, d_residual, [five vector gradients]) as one tuple of seven."""
+    da, dx, grads = backward
+    return (da, dx, *grads)
+
+
 class ResidualNormFunction(torch.autograd.Function):
     """``(res, h)`` = (residual scaling cast to ``residual_dtype``, RMSNorm of ``res`` in the weight's dtype),
     forward and backward by the kernels above. Saves the two inputs and the per-row rsqrt, as the torch path's
@@ -189,14 +212,22 @@ class ResidualNormFunction(torch.autograd.Function):
         vectors = (branch_bias, branch_scale, residual_bias, residual_scale)
         res, h, rstd, a, x = _forward(branch, residual, vectors, weight, eps, residual_dtype)
         ctx.save_for_backward(a, x, *vectors, weight, rstd)
-        ctx.shapes = branch.shape, residual.shape
+        ctx.shapes, ctx.eps, ctx.residual_dtype = (branch.shape, residual.shape), eps, residual_dtype
         return res.view(branch.shape), h.view(branch.shape)
 
     @staticmethod
     @backward_without_autocast
     def backward(ctx, grad_res, grad_h):  # noqa: D102
         a, x, *vectors, weight, rstd = ctx.saved_tensors
-        da, dx, grads = _backward(a, x, vectors, weight, rstd, grad_res, grad_h)
+
+        def torch_path(a, x, bb, bs, rb, rs, weight):
+            res = _scaled(a, x, bb, bs, rb, rs, ctx.residual_dtype)
+            return res, _rms_norm(res.to(weight.dtype), weight, ctx.eps)[0]
+
+        da, dx, *grads = guarded(
+            "fused_residual_norm", lambda: _flat(_backward(a, x, vectors, weight, rstd, grad_res, grad_h)),
+            lambda: _torch_grads((a, x, *vectors, weight), torch_path,
+                                 (grad_res.reshape(x.shape), grad_h.reshape(x.shape))))
         return da.view(ctx.shapes[0]), dx.view(ctx.shapes[1]), *grads, None, None
 
 
@@ -209,15 +240,18 @@ class ResidualFunction(torch.autograd.Function):
         vectors = (branch_bias, branch_scale, residual_bias, residual_scale)
         res, _, _, a, x = _forward(branch, residual, vectors, None, 0.0, residual_dtype)
         ctx.save_for_backward(a, x, *vectors)
-        ctx.shapes = branch.shape, residual.shape
+        ctx.shapes, ctx.residual_dtype = (branch.shape, residual.shape), residual_dtype
         return res.view(branch.shape)
 
     @staticmethod
     @backward_without_autocast
     def backward(ctx, grad_res):  # noqa: D102
         a, x, *vectors = ctx.saved_tensors
-        da, dx, grads = _backward(a, x, vectors, None, None, grad_res, None)
-        return da.view(ctx.shapes[0]), dx.view(ctx.shapes[1]), *grads[:4], None
+        da, dx, *grads = guarded(
+            "fused_residual_norm", lambda: _flat(_backward(a, x, vectors, None, None, grad_res, None))[:6],
+            lambda: _torch_grads((a, x, *vectors), lambda *t: (_scaled(*t, ctx.residual_dtype),),
+                                 (grad_res.reshape(x.shape),)))
+        return da.view(ctx.shapes[0]), dx.view(ctx.shapes[1]), *grads, None
 
 
 class NormFunction(torch.autograd.Function):
@@ -227,12 +261,14 @@ class NormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, eps):  # noqa: D102
         _, h, rstd, _, x2 = _forward(None, x, None, weight, eps, None)
         ctx.save_for_backward(x2, weight, rstd)
-        ctx.shape = x.shape
+        ctx.shape, ctx.eps = x.shape, eps
         return h.view(x.shape)
 
     @staticmethod
     @backward_without_autocast
     def backward(ctx, grad_h):  # noqa: D102
         x, weight, rstd = ctx.saved_tensors
-        _, dx, grads = _backward(x, x, None, weight, rstd, None, grad_h)
-        return dx.view(ctx.shape), grads[4], None
+        dx, dw = guarded(
+            "fused_residual_norm", lambda: _flat(_backward(x, x, None, weight, rstd, None, grad_h))[1::5],
+            lambda: _torch_grads((x, weight), lambda x, w: (_rms_norm(x, w, ctx.eps)[0],), (grad_h.reshape(x.shape),)))
+        return dx.view(ctx.shape), dw, None

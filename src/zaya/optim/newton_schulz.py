@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from zaya.core.hardware import load_profile
-from zaya.core.kernels import kernel_module, triton_device
+from zaya.core.kernels import guarded, kernel_module, triton_device
 
 __all__ = ["orthogonalize", "zeropower_via_newtonschulz", "ns_flops", "iteration_coefficients", "SCHEDULES",
            "NSConfig", "Workspace", "plan", "stacked", "gram_checked", "orthogonalize_", "standard_",
@@ -221,11 +221,15 @@ def _kernels() -> ModuleType:
     return newton_schulz_triton
 
 
+KERNEL = "newton_schulz_symmetric_products"
+"""The kernel's name for ``zaya.core.kernels`` (its switch-off after a failure, the warning)."""
+
+
 def triton_products(device: torch.device, dtype: torch.dtype, m: int) -> bool:
     """Whether the symmetric products of ``m``-row matrices of ``dtype`` on ``device`` run in the Triton kernel:
     a GPU and triton (``zaya.core.kernels``), a dtype the kernel compiles there (bf16 or fp32), and more than one
     tile's rows (one tile saves nothing). Elsewhere they are torch's GEMMs (by row blocks on the CPU)."""
-    if not triton_device(device):
+    if not triton_device(device, KERNEL):
         return False
     kernels = _kernels()
     return kernels is not None and m > kernels.TILE and kernels.supports(device, dtype)
@@ -236,13 +240,14 @@ def _sym(out: Tensor, a: Tensor, b: Tensor, nb: int, c: Tensor | None = None, be
     """``out = beta * c + alpha * a @ b`` for a result known to be symmetric (``c`` symmetric too).
 
     Where ``triton_products`` says so, the Triton kernel (upper tiles only, mirrored, epilogue fused; ``nb`` is not
-    used). Otherwise, with ``nb > 1`` only the ``nb`` row blocks' upper triangles are multiplied (row block ``i``
-    against the columns from its diagonal on) and the lower blocks are copied from their transposes. ``out`` must
-    not alias ``a``, ``b`` or ``c``.
+    used; should it fail, torch's GEMM, ``zaya.core.kernels.guarded``). Otherwise, with ``nb > 1`` only the ``nb``
+    row blocks' upper triangles are multiplied (row block ``i`` against the columns from its diagonal on) and the
+    lower blocks are copied from their transposes. ``out`` must not alias ``a``, ``b`` or ``c``.
     """
     m = out.size(-1)
     if triton_products(out.device, out.dtype, m):
-        return _kernels().sym_matmul(out, a, b, c, beta, alpha)
+        return guarded(KERNEL, lambda: _kernels().sym_matmul(out, a, b, c, beta, alpha),
+                       lambda: _sym(out, a, b, 1, c, beta, alpha))
     if nb <= 1:
         if c is None and alpha == 1.0:
             _mm(a, b, out)
