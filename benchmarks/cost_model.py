@@ -24,6 +24,12 @@ structure (16 experts, top-1, skip class, EDA) but a width of 16, every grouped 
 result's shape (a CPU runs a grouped GEMM as a loop over experts, a GPU as one kernel), so that each iteration's time
 is what issuing its ops costs the host (Python, autograd, dispatch), beside what the cost model charges for them.
 
+What settles the MoE block's miss on a GPU (``moe_block_device``, ``--moe-device cuda``; it needs
+benchmarks/moe_block.py and transformers, as the GPU suite's check does): the block as that check builds and runs
+it, timed per iteration both to the host's last issue and to the closing synchronize, the device time of each kernel
+of one iteration (``torch.profiler``), and the grouped GEMMs alone at the block's shapes, beside the cost
+model's prediction.
+
 Then ZAYA1-base's micro-batch (ZeRO-1, 4k context; micro-batch 1 as configs/zaya1-base.toml, and 5 on the
 MI300X, the most ``zaya plan`` fits there without activation checkpointing; the loss in today's GPU chunks) on the
 H200 and the MI300X: forward + backward, eager, compiled, and what-ifs (the loss fused too; attention kernels at the
@@ -170,6 +176,68 @@ def moe_block_host(rounds: int, smoke: bool) -> dict:
     return {"host_ms": round(statistics.median(times) * 1e3, 2), "kernels": kernels, "ops_without_kernel": others,
             "model_host_ms_this_cpu": round((kernels * cpu.launch_s + others * cpu.host_op_s) * 1e3, 2),
             "model_host_ms_h200": round((kernels * h200.launch_s + others * h200.host_op_s) * 1e3, 2)}
+
+
+def moe_block_device(device_name: str, repeats: int, smoke: bool) -> dict:
+    """The MoE block of benchmarks/moe_block.py's ``ours`` mode (bf16 weights and input, balanced routing, zero
+    grads + forward + backward) on ``device_name``: per iteration the host's issue time (to its last op) and the
+    whole time (to the closing synchronize), medians of ``repeats``; one iteration's kernels by device time (the
+    profiler's CUDA activity; self CPU time on the CPU); the grouped GEMMs alone at the block's shapes (balanced
+    offsets; TFLOP/s); and the cost model's prediction on the H200 profile."""
+    import moe_block as mb
+    from torch.profiler import ProfilerActivity, profile
+
+    from zaya.core.device import resolve_device, synchronize
+
+    device = resolve_device(device_name)
+    shape, tokens = ("tiny", 64) if smoke else ("base", 4096)
+    inputs = mb.make_inputs(shape, tokens, seed=1, device=device)
+    ours = mb.bf16_copy(mb.build(shape, 0, inputs, device)[0])
+
+    def iteration() -> None:
+        mb.run_once("ours", ours, inputs, torch.bfloat16, False)
+
+    def clocked(fn) -> tuple[float, float]:
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        issued = time.perf_counter()
+        synchronize(device)
+        return issued - t0, time.perf_counter() - t0
+
+    for _ in range(2):
+        iteration()
+    runs = [clocked(iteration) for _ in range(repeats)]
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        iteration()
+        synchronize(device)
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    kernels = sorted(((getattr(e, attr), e.count, e.key) for e in prof.key_averages() if getattr(e, attr) > 0
+                      and (cuda or e.key.startswith("aten::"))), reverse=True)
+    cfg = ours.experts
+    d, i, e = cfg.hidden_size, cfg.expert_hidden_size, cfg.num_experts
+    offs = torch.arange(1, e + 1, device=device, dtype=torch.int32) * (tokens // e)
+    x, g_up, act, w_up, w_down = (torch.randn(*s, device=device, dtype=torch.bfloat16) for s in
+                                  ((tokens, d), (tokens, 2 * i), (tokens, i), (e, 2 * i, d), (e, d, i)))
+    gmm = torch.nn.functional.grouped_mm
+    up_flops, down_flops = 2.0 * tokens * d * 2 * i, 2.0 * tokens * i * d
+    gemms = {"gate_up forward": (lambda: gmm(x, w_up.transpose(-2, -1), offs=offs), up_flops),
+             "gate_up input gradient": (lambda: gmm(g_up, w_up, offs=offs), up_flops),
+             "gate_up weight gradient": (lambda: gmm(g_up.t(), x, offs=offs), up_flops),
+             "down forward": (lambda: gmm(act, w_down.transpose(-2, -1), offs=offs), down_flops)}
+    rates = {}
+    for name, (fn, flops) in gemms.items():
+        fn()
+        rates[name] = round(flops / statistics.median(clocked(fn)[1] for _ in range(repeats)) / 1e12, 4)
+    predicted = predict(_moe_block_kernels(_base(smoke=smoke), tokens), DEVICES["h200"])
+    return {"device": str(device), "tokens": tokens,
+            "iteration_ms": round(statistics.median(r[1] for r in runs) * 1e3, 3),
+            "host_issue_ms": round(statistics.median(r[0] for r in runs) * 1e3, 3),
+            "kernel_time_ms": round(sum(k[0] for k in kernels) / 1e3, 3), "kernels": sum(k[1] for k in kernels),
+            "top_kernels_us": [[round(t, 1), n, name[:120]] for t, n, name in kernels[:12]],
+            "grouped_mm_tflops_alone": rates, "predicted_h200_ms": round(predicted.seconds * 1e3, 3),
+            "predicted_h200_host_ms": round(predicted.host_seconds * 1e3, 3)}
 
 
 def _muon_kernels(method: str, shapes, device_plans):
@@ -335,10 +403,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="CPU rounds (a profile and a step of each shape)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads of the CPU rounds (default 1)")
     ap.add_argument("--skip-cpu", action="store_true")
+    ap.add_argument("--moe-device", metavar="DEVICE",
+                    help="only the MoE block's per-kernel profile and host issue time on DEVICE (cuda on a GPU)")
     ap.add_argument("--moe-host", action="store_true",
                     help="only the MoE block's host time and the cold GEMMs on this CPU")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.moe_device:
+        print(json.dumps({"moe_block_device": moe_block_device(args.moe_device, args.rounds, args.smoke)}))
+        return
     if args.moe_host:
         print(json.dumps({"cold_gemms": cold_gemms(args.rounds, args.smoke),
                           "moe_block_host": moe_block_host(args.rounds, args.smoke)}))
@@ -349,6 +422,8 @@ def main() -> None:
                                                                        args.threads)
         result["cold_gemms"] = cold_gemms(1 if args.smoke else args.rounds, args.smoke)
         result["moe_block_host"] = moe_block_host(1 if args.smoke else args.rounds, args.smoke)
+    if args.smoke:  # the GPU measurement's code path, on this CPU
+        result["moe_block_device"] = moe_block_device("cpu", 1, smoke=True)
     result["zaya1_base_4k"] = zaya1_base(args.smoke)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result))

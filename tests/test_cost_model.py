@@ -240,3 +240,7 @@ def test_benchmark_smoke():
     assert all(r["hot_gflops"] > 0 and r["cold_gflops"] > 0 for r in out["cold_gemms"])
     host = out["moe_block_host"]
     assert host["host_ms"] > 0 and host["kernels"] > 0 and host["model_host_ms_h200"] > 0
+    dev = out["moe_block_device"]
+    assert 0 < dev["host_issue_ms"] <= dev["iteration_ms"] and dev["top_kernels_us"]
+    assert set(dev["grouped_mm_tflops_alone"]) == {"gate_up forward", "gate_up input gradient",
+                                                   "gate_up weight gradient", "down forward"}
