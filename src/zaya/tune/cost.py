@@ -79,16 +79,17 @@ class Device:
 # 4.8 TB/s); AMD Instinct MI300X (1,307 TFLOP/s dense bf16, 163 TFLOP/s fp32 matrix, 304 CUs, 5.3 TB/s). Efficiencies,
 # assumed from published measurements (not zaya's): cuBLAS bf16 GEMMs of thousands on a side reach about 75 % of the
 # H100's dense peak, hipBLASLt about 45 % of the MI300X's (SemiAnalysis's MI300X vs H100 training study, 2024);
-# CUTLASS's SM90 grouped GEMM (the kernel torch's grouped_mm runs on Hopper) about 16 % of the H100's dense peak at an
-# MoE shape with full waves (160.5 TFLOP/s: 128 experts x 512 rows, K 2048, N 1536, bf16, the cooperative schedule;
-# cuBLAS expert by expert 129.5; tgale96/grouped_gemm PR 37, 2026), no published figure for the MI300X's grouped GEMM
-# (taken as its dense GEMMs'); torch's flash-attention kernels (FlashAttention-2) about 35 % of Hopper's peak
-# (FlashAttention-3 paper, 2024), assumed the same for the MI300X's CK kernels; streaming kernels 90 % of HBM
-# bandwidth on Hopper, 80 % on the MI300X. Host costs of eager PyTorch on a server CPU, from the published breakdown
-# of one op's path (Python bytecode ~1 us, pybind11 ~1 us, autograd recording 1-3 us, ATen dispatcher 1-2 us,
-# cudaLaunchKernel 1-3 us; "From PyTorch op to kernel launch", jiahuanglin.xyz GPU kernel lessons, lesson 18): an op
-# that launches a kernel 5 us (the sum's lower end), one that launches none 1 us (a dispatcher round: most are issued
-# from C++, by composite ops and the autograd engine, not from Python); hipLaunchKernel taken alike.
+# CUTLASS's SM90 grouped GEMM (the kernel family torch's grouped_mm runs on Hopper; this figure is another build of
+# it) about 16 % of the H100's dense peak at an MoE shape with full waves (160.5 TFLOP/s: 128 experts x 512 rows, K
+# 2048, N 1536, bf16, the cooperative schedule; cuBLAS expert by expert 129.5; tgale96/grouped_gemm PR 37, 2026), no
+# published figure for the MI300X's grouped GEMM (taken as its dense GEMMs'); torch's flash-attention kernels
+# (FlashAttention-2) about 35 % of Hopper's peak (FlashAttention-3 paper, 2024), assumed the same for the MI300X's CK
+# kernels; streaming kernels 90 % of HBM bandwidth on Hopper, 80 % on the MI300X. Host costs of eager PyTorch on a
+# server CPU, from the published breakdown of one op's path (Python bytecode ~1 us, pybind11 ~1 us, autograd recording
+# 1-3 us, ATen dispatcher 1-2 us, cudaLaunchKernel 1-3 us; "From PyTorch op to kernel launch", jiahuanglin.xyz GPU
+# kernel lessons, lesson 18): an op that launches a kernel 5 us (the sum's lower end), one that launches none 1 us (a
+# dispatcher round: most are issued from C++, by composite ops and the autograd engine, not from Python);
+# hipLaunchKernel taken alike.
 _HOST = dict(launch_s=5e-6, host_op_s=1e-6)
 _HOPPER = dict(gemm_efficiency=0.75, grouped_gemm_efficiency=0.16, attention_efficiency=0.35, bandwidth_efficiency=0.9,
                compute_units=132, **_HOST)
