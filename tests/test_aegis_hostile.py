@@ -71,7 +71,11 @@ def test_chaos_refuses_a_malformed_heartbeat_naming_it(tmp_path, sleeper, capsys
     assert sleeper.poll() is None and psutil.Process(sleeper.pid).status() != psutil.STATUS_STOPPED
 
 
+@pytest.mark.slow
 def test_chaos_inject_through_the_cli_exits_2_for_a_heartbeat_nested_100k_deep(tmp_path):
+    """The 100k-deep case of test_chaos_refuses_a_malformed_heartbeat_naming_it in a process of its own (a torch
+    start-up); the fast test covers the refusal through `main`, and test_aegis_lineage.py's
+    test_chaos_signals_no_process_that_is_not_the_live_rank the exit 2 of a `zaya chaos inject` process."""
     path = put(tmp_path / "run", DEEP)
     out = subprocess.run([sys.executable, "-m", "zaya", "chaos", "inject", str(tmp_path / "run"), "kill"],
                          capture_output=True, text=True, timeout=120)
