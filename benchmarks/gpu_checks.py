@@ -299,6 +299,22 @@ def check_moe_block(ctx: Ctx, r: dict[str, Any]) -> None:
     r["ok"] = res["rc"] == 0 and bool(results)
     if not r["ok"]:
         r["error"] = f"exit code {res['rc']}: {tail(res['stderr'] or res['stdout'], 800)}"
+    if ctx.cuda:
+        _moe_block_kernels(ctx, r)
+
+
+def _moe_block_kernels(ctx: Ctx, r: dict[str, Any]) -> None:
+    """The cost model's open question on the MoE block (benchmarks/results.md, "Cost model"): the host's issue time
+    beside the whole time, each kernel's device time and the grouped GEMMs alone
+    (``benchmarks/cost_model.py --moe-device``), kept under ``kernels``."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cost_model.py"), "--moe-device", ctx.device_arg,
+           "--rounds", str(ctx.pick(5, 3, 2))]
+    res = run_command(cmd, ctx.remaining() - MARGIN_S, prefix="[moe_block kernels] ")
+    lines = [line for line in json_lines(res["stdout"]) if "moe_block_device" in line]
+    if res["rc"] == 0 and lines:
+        r["kernels"] = lines[-1]["moe_block_device"]
+    else:
+        r["kernels_error"] = f"exit code {res['rc']}: {tail(res['stderr'] or res['stdout'], 600)}"
 
 
 # ------------------------------------------------------------------------------------------------ dispatch

@@ -94,7 +94,7 @@ limit_for() {
         model_step_deep) echo 200 ;;
         decode) echo 210 ;;
         muon) echo 120 ;;
-        moe_block) echo 150 ;;
+        moe_block) echo 210 ;;
         parallel_modes) echo 200 ;;
         expert_parallel) echo 240 ;;
         train_small) echo 260 ;;
