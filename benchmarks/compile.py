@@ -22,7 +22,7 @@ is the largest relative difference of their losses over every step (fp32: roundi
 inside the compiled regions (forward, backward) and outside them (the rest of the forward and backward: the
 embedding, the head's GEMM, gradient accumulation; the clip; the optimizer), the top operators by self time, and
 the GEMMs split into the experts' (``aten::_grouped_mm``, one ``aten::mm`` per expert on a CPU, with what it calls)
-and every other ``aten::mm``/``addmm``/``bmm`` (``gemm_shares``).
+and the self time of every other ``aten::mm``/``addmm``/``bmm`` (``gemm_shares``).
 
 ``--cpp-gemm`` (issue 36): one more compiled copy whose blocks and loss compile with inductor's GEMM autotuning
 on and its C++ GEMM templates among the choices (``CPP_GEMM``: ``max_autotune``, ``max_autotune_gemm_backends``
@@ -30,6 +30,12 @@ on and its C++ GEMM templates among the choices (``CPP_GEMM``: ``max_autotune``,
 ``cpp_gemm_autotuned`` the number of GEMMs for which inductor had more than aten's kernel to choose from (its
 ``select_algorithm_autotune`` counter; 0: every GEMM stayed aten's). With ``--backend`` other than inductor (the
 smoke test) that copy compiles like the other.
+
+``--gemms`` (issue 36), instead of the steps: each shape's GEMMs alone, one thread's CPU time, medians of
+``--steps`` calls: the six products of one MoE layer (forward, input and weight gradients of the SwiGLU up- and
+down-projections; the rows spread evenly over the experts) through ``F.grouped_mm`` (one ``aten::mm`` per expert
+on a CPU) against one dense GEMM of the same size (what a grouped kernel could reach at best), and the tied head's
+product in bf16 against the same product computed in fp32 (operands cast up, the result cast back).
 
 ``--cca-taps`` (issue 36): two more copies, eager and compiled, whose CCA layers run their convolutions as
 explicit taps (benchmarks/cca_attention.py's ``taps_convolutions``), timed in the same rounds; ``taps_*_gain`` is
@@ -39,8 +45,9 @@ Shapes: ``tiny`` is configs/tiny.toml's model (d=256, 4 layers, 8 experts, 16 x 
 its width and expert width (d=512, expert 1024, 8 query heads, 8 x 256 tokens).
 
 Run: ``PYTHONPATH=src .venv/bin/python benchmarks/compile.py [--shapes tiny,wide] [--dtypes fp32,bf16]
-[--steps N] [--warmup N] [--threads N] [--backend inductor] [--cache-dir DIR] [--cpp-gemm] [--cca-taps]``. Prints one JSON line per
-(shape, dtype) and a final line with the speed-ups.
+[--steps N] [--warmup N] [--threads N] [--backend inductor] [--cache-dir DIR] [--cpp-gemm] [--cca-taps]
+[--gemms]``. Prints one JSON line per (shape, dtype) and a final line with the speed-ups (``--gemms``: one line per
+shape).
 """
 
 from __future__ import annotations
@@ -55,8 +62,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -198,6 +207,46 @@ def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
             "max_loss_rel_diff": float(f"{max(diffs):.2e}"), "steps": args.steps, **taps, **shares}
 
 
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median CPU milliseconds of ``fn()`` over ``repeats`` calls, after two unmeasured ones."""
+    fn()
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        samples.append(time.process_time() - start)
+    return round(statistics.median(samples) * 1e3, 2)
+
+
+def gemms(shape: str, repeats: int) -> dict:
+    """``--gemms``: one MoE layer's six expert products, grouped against dense, and the head's bf16 product
+    against it computed in fp32 (milliseconds)."""
+    fields, batch, seq = SHAPES[shape]
+    experts, d, width = fields["num_experts"], fields["hidden_size"], fields["expert_hidden_size"]
+    rows = batch * seq * fields["top_k"]
+    offsets = torch.full((experts,), rows // experts).cumsum(0).to(torch.int32)
+    x, h = torch.randn(rows, d), torch.randn(rows, width)
+    up, down = torch.randn(experts, 2 * width, d), torch.randn(experts, d, width)
+    grad_up, grad_down = torch.randn(rows, 2 * width), torch.randn(rows, d)
+    products = {  # name: (grouped, dense): the dense GEMM has the same sizes, expert 0's weight for every row
+        "up forward": (lambda: F.grouped_mm(x, up.transpose(-2, -1), offs=offsets), lambda: x @ up[0].T),
+        "down forward": (lambda: F.grouped_mm(h, down.transpose(-2, -1), offs=offsets), lambda: h @ down[0].T),
+        "up input grad": (lambda: F.grouped_mm(grad_up, up, offs=offsets), lambda: grad_up @ up[0]),
+        "down input grad": (lambda: F.grouped_mm(grad_down, down, offs=offsets), lambda: grad_down @ down[0]),
+        "up weight grad": (lambda: F.grouped_mm(grad_up.t(), x, offs=offsets), lambda: grad_up.t() @ x),
+        "down weight grad": (lambda: F.grouped_mm(grad_down.t(), h, offs=offsets), lambda: grad_down.t() @ h),
+    }
+    experts_ms = {name: [median_ms(g, repeats), median_ms(dense, repeats)] for name, (g, dense) in products.items()}
+    a = torch.randn(rows, d, dtype=torch.bfloat16)
+    head = torch.randn(fields["vocab_size"], d, dtype=torch.bfloat16)
+    return {"shape": shape, "gemms": True, "experts_grouped_dense_ms": experts_ms,
+            "experts_layer_ms": [round(sum(v[0] for v in experts_ms.values()), 1),
+                                 round(sum(v[1] for v in experts_ms.values()), 1)],
+            "head_bf16_ms": median_ms(lambda: a @ head.T, repeats),
+            "head_bf16_in_fp32_ms": median_ms(lambda: (a.float() @ head.float().T).bfloat16(), repeats)}
+
+
 def use_cca_taps(model: ZayaForCausalLM) -> None:
     """Every CCA layer of ``model`` runs its convolutions through benchmarks/cca_attention.py's
     ``taps_convolutions`` (issue 36's candidate) instead of the model's conv2d path."""
@@ -228,14 +277,24 @@ def profile_shares(copy_: Copy, batches: list[tuple[torch.Tensor, torch.Tensor]]
         key = "inductor's kernels" if e.key.startswith("## Call CompiledFxGraph") else e.key
         self_time[key] = self_time.get(key, 0.0) + e.self_cpu_time_total
     top = sorted(self_time.items(), key=lambda kv: -kv[1])[:8]
-    experts = total.get("aten::_grouped_mm", 0.0)
-    experts_self = sum(e.self_cpu_time_total for e in events if e.key == "aten::_grouped_mm")
-    gemms = sum(self_time.get(k, 0.0) for k in ("aten::mm", "aten::addmm", "aten::bmm"))
     return {"profile_steps": len(batches), "step_cpu_s": round(step / 1e6 / len(batches), 4),
             "shares": {k: round(v / step, 3) for k, v in parts.items()},
             "top_self": {k: round(v / step, 3) for k, v in top},
-            "gemm_shares": {"experts' grouped_mm": round(experts / step, 3),
-                            "other GEMMs": round((gemms - (experts - experts_self)) / step, 3)}}
+            "gemm_shares": {"experts' grouped_mm": round(total.get("aten::_grouped_mm", 0.0) / step, 3),
+                            "other GEMMs": round(gemms_outside(prof.events(), "aten::_grouped_mm") / step, 3)}}
+
+
+def gemms_outside(events: list, op: str) -> float:
+    """Self CPU time (us) of the ``aten::mm``/``addmm``/``bmm`` calls in a profile's ``events`` that ``op`` did not
+    make (no caller of theirs, however far up, is ``op``)."""
+    micros = 0.0
+    for event in events:
+        if event.name in ("aten::mm", "aten::addmm", "aten::bmm"):
+            caller = event.cpu_parent
+            while caller is not None and caller.name != op:
+                caller = caller.cpu_parent
+            micros += event.self_cpu_time_total if caller is None else 0.0
+    return micros
 
 
 def main() -> None:
@@ -248,6 +307,8 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: a smoke test)")
     parser.add_argument("--cpp-gemm", action="store_true",
                         help="also time a compiled copy with inductor's GEMM autotuning and C++ GEMM templates")
+    parser.add_argument("--gemms", action="store_true",
+                        help="instead: the experts' GEMMs grouped against dense, the head's bf16 GEMM against fp32")
     parser.add_argument("--cca-taps", action="store_true",
                         help="also time an eager and a compiled copy with the CCA convolutions as explicit taps")
     parser.add_argument("--profile", type=int, default=0, help="then profile this many compiled steps")
@@ -259,6 +320,10 @@ def main() -> None:
     os.environ[CACHE_ENV] = args.cache_dir or tempfile.mkdtemp(prefix="zaya-inductor-")
     print(json.dumps({"machine": cpu_model_name(), "threads": args.threads, "torch": torch.__version__,
                       "inductor_cache": os.environ[CACHE_ENV]}), flush=True)
+    if args.gemms:
+        for shape in args.shapes.split(","):
+            print(json.dumps(gemms(shape, args.steps)), flush=True)
+        return
     speedups = {}
     for shape in args.shapes.split(","):
         for dtype in args.dtypes.split(","):

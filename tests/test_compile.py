@@ -173,3 +173,19 @@ def test_the_compile_benchmark_reports_both_steps(monkeypatch, capsys):
     # The third copy (its own compile through aot_eager here: no autotuning), timed in the same rounds.
     assert len(row["cpp_gemm_times_s"]) == 2 and row["cpp_gemm_cpu_s"] > 0 and row["cpp_gemm_autotuned"] == 0, row
     assert final == {"final": True, "speedups": {"micro/fp32": row["speedup"]}, "target": 1.3, "target_met": False}
+
+
+def test_the_compile_benchmark_times_the_expert_and_head_gemms(monkeypatch, capsys):
+    """`benchmarks/compile.py --gemms` on its micro shape: every expert product timed grouped and dense, the head's
+    product in bf16 and computed in fp32 (the figures mean nothing here)."""
+    from bench_helpers import run_benchmark
+
+    monkeypatch.setenv(CACHE_ENV, "")  # the script sets it
+    _, row = run_benchmark(monkeypatch, capsys, "compile.py", "--gemms", "--shapes", "micro", "--steps", "2",
+                           "--threads", "1")
+    products = row["experts_grouped_dense_ms"]
+    assert set(products) == {f"{p} {part}" for p in ("up", "down") for part in ("forward", "input grad",
+                                                                              "weight grad")}, row
+    assert all(grouped > 0 and dense > 0 for grouped, dense in products.values()), row
+    assert row["experts_layer_ms"][0] == round(sum(v[0] for v in products.values()), 1), row
+    assert row["head_bf16_ms"] > 0 and row["head_bf16_in_fp32_ms"] > 0, row
