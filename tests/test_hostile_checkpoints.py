@@ -195,7 +195,11 @@ def test_a_crafted_metadata_is_refused_by_every_loader_and_runs_nothing(tmp_path
     assert dict(_get_layout.cache) == layouts_before and "pwned" not in map(str, _get_layout.cache.values())
 
 
+@pytest.mark.slow
 def test_zaya_generate_in_a_subprocess_refuses_a_crafted_metadata(tmp_path, run):
+    """test_a_crafted_metadata_is_refused_by_every_loader_and_runs_nothing[os.system] covers the same refusal of
+    `zaya generate` (exit 5, one line, nothing run) through main in the test process; this one in a fresh
+    interpreter (30 s of start-up on 2 busy cores)."""
     bad, marker = tamper(run, tmp_path, "os.system")
     done = subprocess.run([sys.executable, "-m", "zaya", "generate", "--checkpoint", str(bad), "--prompt", "JULIET:",
                            "--max-new-tokens", "2"], capture_output=True, text=True, timeout=120)
