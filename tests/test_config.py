@@ -221,15 +221,14 @@ def test_a_checkpoints_model_config_goes_through_the_same_ranges(key, value):
     assert str(err.value).startswith(f"ckpt/meta.json [model].{key} = {value}: must be an integer in [")
 
 
-def test_zaya_train_refuses_a_huge_micro_batch_with_exit_2(tmp_path):
-    """End to end: the audit's --set train.micro_batch_size=10**30 exited 70 with numpy's traceback."""
-    import subprocess
-    import sys
+def test_zaya_train_refuses_a_huge_micro_batch_with_exit_2(tmp_path, capsys):
+    """End to end through the CLI's main (in this process: a `zaya` subprocess only adds a torch start-up): the
+    audit's --set train.micro_batch_size=10**30 exited 70 with numpy's traceback."""
+    from zaya.cli import main
 
-    proc = subprocess.run([sys.executable, "-m", "zaya", "train", "--config", str(CONFIGS / "tiny.toml"),
-                           "--run-dir", str(tmp_path / "run"), "--set",
-                           "train.micro_batch_size=1000000000000000000000000000000"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr and "micro_batch_size = 1000000000000000000000000000000" in proc.stderr
+    code = main(["train", "--config", str(CONFIGS / "tiny.toml"), "--run-dir", str(tmp_path / "run"), "--set",
+                 "train.micro_batch_size=1000000000000000000000000000000"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and "micro_batch_size = 1000000000000000000000000000000" in err
     assert not (tmp_path / "run").exists()
