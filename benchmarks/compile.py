@@ -182,21 +182,21 @@ def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
     shares = profile_shares(compiled, [batch_of_tokens() for _ in range(args.profile)]) if args.profile else {}
     eager_s, compiled_s = statistics.median(times["eager"]), statistics.median(times["compiled"])
     eager_cpu, compiled_cpu = statistics.median(cpu["eager"]), statistics.median(cpu["compiled"])
-    taps = {}
+    extra = {}
     if args.cpp_gemm:
         med = statistics.median(cpu["cpp_gemm_compiled"])
-        taps = {"cpp_gemm_compile_s": round(compile_s["cpp_gemm_compiled"] - eager_s, 2),
+        extra = {"cpp_gemm_compile_s": round(compile_s["cpp_gemm_compiled"] - eager_s, 2),
                 "cpp_gemm_cpu_s": round(med, 4), "cpp_gemm_gain": round(compiled_cpu / med, 3),
                 "cpp_gemm_cpu_speedup": round(eager_cpu / med, 3), "cpp_gemm_autotuned": autotuned,
                 "cpp_gemm_times_s": [round(t, 4) for t in times["cpp_gemm_compiled"]]}
     if args.cca_taps:
         med = {name: statistics.median(cpu[name]) for name in ("taps_eager", "taps_compiled")}
-        taps |= {"taps_compile_s": round(compile_s["taps_compiled"] - statistics.median(times["taps_eager"]), 2),
-                "taps_eager_cpu_s": round(med["taps_eager"], 4), "taps_compiled_cpu_s": round(med["taps_compiled"], 4),
-                "taps_eager_gain": round(eager_cpu / med["taps_eager"], 3),
-                "taps_compiled_gain": round(compiled_cpu / med["taps_compiled"], 3),
-                "taps_eager_times_s": [round(t, 4) for t in times["taps_eager"]],
-                "taps_compiled_times_s": [round(t, 4) for t in times["taps_compiled"]]}
+        extra |= {"taps_compile_s": round(compile_s["taps_compiled"] - statistics.median(times["taps_eager"]), 2),
+                 "taps_eager_cpu_s": round(med["taps_eager"], 4), "taps_compiled_cpu_s": round(med["taps_compiled"], 4),
+                 "taps_eager_gain": round(eager_cpu / med["taps_eager"], 3),
+                 "taps_compiled_gain": round(compiled_cpu / med["taps_compiled"], 3),
+                 "taps_eager_times_s": [round(t, 4) for t in times["taps_eager"]],
+                 "taps_compiled_times_s": [round(t, 4) for t in times["taps_compiled"]]}
     return {"shape": shape, "dtype": dtype, "backend": args.backend, "tokens": batch * seq,
             "compile_s": round(compile_s["compiled"] - eager_s, 2),
             "eager_step_s": round(eager_s, 4), "compiled_step_s": round(compiled_s, 4),
@@ -204,7 +204,7 @@ def measure(shape: str, dtype: str, args: argparse.Namespace) -> dict:
             "compiled_cpu_s": round(compiled_cpu, 4), "cpu_speedup": round(eager_cpu / compiled_cpu, 3),
             "eager_times_s": [round(t, 4) for t in times["eager"]],
             "compiled_times_s": [round(t, 4) for t in times["compiled"]],
-            "max_loss_rel_diff": float(f"{max(diffs):.2e}"), "steps": args.steps, **taps, **shares}
+            "max_loss_rel_diff": float(f"{max(diffs):.2e}"), "steps": args.steps, **extra, **shares}
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -225,6 +225,7 @@ def gemms(shape: str, repeats: int) -> dict:
     fields, batch, seq = SHAPES[shape]
     experts, d, width = fields["num_experts"], fields["hidden_size"], fields["expert_hidden_size"]
     rows = batch * seq * fields["top_k"]
+    torch.manual_seed(0)
     offsets = torch.full((experts,), rows // experts).cumsum(0).to(torch.int32)
     x, h = torch.randn(rows, d), torch.randn(rows, width)
     up, down = torch.randn(experts, 2 * width, d), torch.randn(experts, d, width)
