@@ -6,6 +6,7 @@ process untouched; these were a KeyError, a TypeError, "invalid literal for int(
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -140,35 +141,61 @@ def test_supervisor_reads_hostile_metrics_without_failing(tmp_path):
     assert LossSpike(8, 6.0, 2).check(SimpleNamespace(metrics=records)) == []
 
 
-def test_zaya_run_warns_about_a_corrupt_heartbeat_and_trains_on(tmp_path, micro_config):
-    """End to end: while a supervised rank trains, files that are not heartbeats appear beside its own (nested
-    100,000 deep, a list, a rank claiming another's file): the supervisor warns once per file, and the run finishes."""
-    cfg = micro_config(extra="\n[aegis]\npoll_s = 0.2\nwarm_standby = false\n")
-    run = tmp_path / "run"
-    stop = threading.Event()
+VANDAL_FILES = ((1, "nested too deeply"), (2, "a JSON list"), (3, "rank 0 in a file named rank-00003"))
+"""The ranks whose heartbeat files ``vandal`` writes, and why the supervisor refuses each."""
 
-    def vandal():
-        directory = heartbeat_dir(run / "aegis")
+
+@contextlib.contextmanager
+def vandal(run: Path):
+    """While the block runs, files that are not heartbeats appear beside a supervised rank's own (nested 100,000
+    deep, a list, a rank claiming another's file; ``VANDAL_FILES``) once a launch has written rank 0's heartbeat
+    (a rank 0 heartbeat older than the block, a finished job's, is not one)."""
+    stop = threading.Event()
+    since = time.time()
+
+    def write():
+        rank0 = heartbeat_dir(run / "aegis") / "rank-00000.json"
         while not stop.is_set():
-            if (directory / "rank-00000.json").exists():  # the launch has cleared the old heartbeats
+            try:
+                fresh = rank0.stat().st_mtime >= since  # the launch has cleared the old heartbeats
+            except FileNotFoundError:
+                fresh = False
+            if fresh:
                 put(run, DEEP, rank=1)
                 put(run, "[1]", rank=2)
                 put(run, json.dumps({"rank": 0, "time": time.time(), "phase": "train"}), rank=3)
             time.sleep(0.1)
 
-    thread = threading.Thread(target=vandal, daemon=True)
+    thread = threading.Thread(target=write, daemon=True)
     thread.start()
     try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def assert_warned_once_per_vandal_file(run: Path, stderr: str) -> None:
+    """A supervisor that ran one attempt beside ``vandal`` warned once per file, naming why, and finished."""
+    for rank, why in VANDAL_FILES:
+        path = heartbeat_dir(run / "aegis") / f"rank-{rank:05d}.json"
+        warnings = [line for line in stderr.splitlines() if f"aegis: warning: {path}" in line]
+        assert len(warnings) == 1 and why in warnings[0], stderr[-3000:]
+    assert "Traceback" not in stderr and "aegis: finished (exit code 0)" in stderr
+
+
+@pytest.mark.slow
+def test_zaya_run_warns_about_a_corrupt_heartbeat_and_trains_on(tmp_path, micro_config):
+    """End to end: while a supervised rank trains, files that are not heartbeats appear beside its own (nested
+    100,000 deep, a list, a rank claiming another's file): the supervisor warns once per file, and the run finishes.
+    A `zaya run` of its own (25 s on 2 cores): test_aegis_lineage.py's
+    test_supervisor_death_stops_its_ranks_and_a_new_run_resumes_once checks the same during its resuming run."""
+    cfg = micro_config(extra="\n[aegis]\npoll_s = 0.2\nwarm_standby = false\n")
+    run = tmp_path / "run"
+    with vandal(run):
         out = subprocess.run([sys.executable, "-m", "zaya", "run", "--config", str(cfg), "--quiet", "--set",
                               "train.sample_tokens=0", "--set", "train.eval_every=0", "--max-steps", "8"],
                              capture_output=True, text=True, timeout=300,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-    finally:
-        stop.set()
-        thread.join()
     assert out.returncode == 0, out.stderr[-3000:]
-    for rank, why in ((1, "nested too deeply"), (2, "a JSON list"), (3, "rank 0 in a file named rank-00003")):
-        path = heartbeat_dir(run / "aegis") / f"rank-{rank:05d}.json"
-        warnings = [line for line in out.stderr.splitlines() if f"aegis: warning: {path}" in line]
-        assert len(warnings) == 1 and why in warnings[0], out.stderr[-3000:]
-    assert "Traceback" not in out.stderr and "aegis: finished (exit code 0)" in out.stderr
+    assert_warned_once_per_vandal_file(run, out.stderr)

@@ -2,7 +2,8 @@
 (zaya.aegis.lineage, zaya.aegis.chaos): ``zaya chaos`` refuses an exited heartbeat, a reused pid, an unrelated
 process; a supervisor counts as gone once it exited, is a zombie or its pid was reused; end to end, a second
 ``zaya run`` on a supervised directory is refused, and after ``kill -9`` of ``zaya run`` its torchrun agents and
-ranks stop within seconds (with a checkpoint) and a new ``zaya run`` resumes with every step recorded once."""
+ranks stop within seconds (with a checkpoint) and a new ``zaya run`` resumes with every step recorded once (warning
+once about each file beside its rank's heartbeat that is not a heartbeat, as test_aegis_hostile.py describes)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from test_aegis_hostile import sleeper  # noqa: F401 - a fixture: an unrelated live process
+from test_aegis_hostile import assert_warned_once_per_vandal_file, sleeper, vandal  # noqa: F401 - sleeper: a fixture
 from test_aegis_runs import SETTINGS, aegis_table, leftover_processes
 from zaya.aegis.chaos import request
 from zaya.aegis.heartbeat import Heartbeat, heartbeat_dir, read_heartbeats
@@ -193,10 +194,13 @@ def test_supervisor_death_stops_its_ranks_and_a_new_run_resumes_once(tmp_path, m
         == {75}, beats  # each rank stopped as on a supervisor's SIGTERM: checkpoint, exit 75
     stopped = max(hb["step"] for hb in beats.values())
 
-    # one rank (the checkpoint reshards) and no standby: the cheapest relaunch that proves the point
-    done = subprocess.run(_zaya_run(cfg, stopped + 2, "--set", "aegis.warm_standby=false"), env=env,
-                          capture_output=True, text=True, timeout=300)
+    # one rank (the checkpoint reshards) and no standby: the cheapest relaunch that proves the point; meanwhile
+    # files that are not heartbeats appear beside its rank's (test_aegis_hostile.py): warned about, ignored
+    with vandal(run):
+        done = subprocess.run(_zaya_run(cfg, stopped + 2, "--set", "aegis.warm_standby=false"), env=env,
+                              capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
+    assert_warned_once_per_vandal_file(run, done.stderr)
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["kind"] == "train"]
     assert steps == list(range(1, stopped + 3))  # no step twice: the killed job's and the new one's timelines
