@@ -52,7 +52,8 @@ a GPU the device is synchronised before each timer is read, and the quiet-machin
 skipped (they guard CPU-bound timings; ``others_cpu_share_max`` is still reported).
 
 Run: ``PYTHONPATH=src .venv/bin/python benchmarks/train_step.py [--steps N] [--warmup N] [--threads N] [--verbose]
-[--profile] [--device D]``; ``--profile`` also prints a torch.profiler table of zaya's step (self CPU time by op).
+[--profile] [--device D]``; ``--profile`` also prints a torch.profiler table of each model's step (self CPU time by
+op, and its sum: with one thread, a comparison that other jobs on the machine disturb less than wall time).
 """
 
 from __future__ import annotations
@@ -238,8 +239,8 @@ def fp32_losses(ours: ZayaForCausalLM, hf: HFZaya, ids: torch.Tensor, targets: t
     return float(ours(ids, labels=targets).loss), float(hf(input_ids=ids, labels=ids).loss)
 
 
-def profile_ours(trainer: Trainer, data: list, steps: int, rows: int) -> None:
-    """Where zaya's step spends its time: torch.profiler over ``steps`` steps (each from the snapshot, the restore
+def profile_step(trainer: Trainer, data: list, steps: int, rows: int) -> None:
+    """Where a model's step spends its time: torch.profiler over ``steps`` steps (each from the snapshot, the restore
     not profiled). Prints self CPU ms per step by op, and by autograd node for the backward (CPU total of each node's
     evaluation: it includes the ops it runs). The profiler adds per-op overhead, so small ops look costlier."""
     from collections import defaultdict
@@ -264,8 +265,8 @@ def profile_ours(trainer: Trainer, data: list, steps: int, rows: int) -> None:
             ops[e.key] += e.self_cpu_time_total / 1000 / steps
             if e.key.startswith("autograd::engine::evaluate_function: "):
                 nodes[e.key.split(": ", 1)[1]] += e.cpu_time_total / 1000 / steps
-    print(f"# profile of zaya's step: {1000 * statistics.median(wall):.1f} ms wall per step under the profiler "
-          f"(median of {steps}); self CPU ms per step by op:")
+    print(f"# profile of {trainer.name}'s step: {1000 * statistics.median(wall):.1f} ms wall per step under the "
+          f"profiler (median of {steps}), {sum(ops.values()):.1f} ms self CPU per step; self CPU ms by op:")
     for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:rows]:
         print(f"#   {k[:70]:<70} {v:8.1f}")
     print(f"# backward by autograd node (ms per step, {sum(nodes.values()):.1f} in all):")
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quiet-timeout", type=float, default=300.0, help="longest wait per round, seconds")
     p.add_argument("--max-redo", type=int, default=5, help="most times one round is timed again")
     p.add_argument("--verbose", action="store_true", help="print every round's step times")
-    p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of zaya's step")
+    p.add_argument("--profile", action="store_true", help="also print a torch.profiler table of each model's step")
     p.add_argument("--profile-steps", type=int, default=5)
     args = p.parse_args(argv)
 
@@ -415,7 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(result), flush=True)
 
     if args.profile:
-        profile_ours(trainers["ours"], data, args.profile_steps, rows=30)
+        for trainer in trainers.values():
+            profile_step(trainer, data, args.profile_steps, rows=30)
 
 
 if __name__ == "__main__":
