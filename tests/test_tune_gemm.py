@@ -7,7 +7,6 @@ that reads or writes a profile points ``ZAYA_CACHE_DIR`` at its own temp directo
 import argparse
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -288,18 +287,20 @@ def test_module_import_stays_light():
     assert out.stdout.split() == ["False", "False"]
 
 
-def test_cli_quick_sweep(tmp_path):
-    env = {**os.environ, "ZAYA_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop(profile.PROFILE_ENV, None)
-    cmd = [sys.executable, "-m", "zaya", "tune", "gemm", "--quick", "--dtype", "fp32", "--tokens", "64",
-           "--widths", "128,256", "--config", str(TINY), "--out", str(tmp_path / "out")]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "Recommended shapes (fp32" in done.stdout and "hardware profile:" in done.stdout
-    assert "--quick leaves peak_flops as it was" in done.stdout
-    assert (tmp_path / "cache" / "hardware").is_dir() and list((tmp_path / "out").glob("gemm-*-fp32.png"))
-    bad = subprocess.run([*cmd[:5], "--dtype", "int8"], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert bad.returncode == 2 and "--dtype = 'int8'" in bad.stderr
+def test_cli_quick_sweep(tmp_path, private_profile, monkeypatch, capsys):
+    """The text report, through main in this process (a `zaya` subprocess would only add a torch start-up)."""
+    from zaya.cli import main
+
+    monkeypatch.chdir(ROOT)
+    argv = ["tune", "gemm", "--quick", "--dtype", "fp32", "--tokens", "64", "--widths", "128,256", "--config",
+            str(TINY), "--out", str(tmp_path / "out")]
+    code = main(argv)
+    printed = capsys.readouterr()
+    assert code == 0, printed.err[-2000:]
+    assert "Recommended shapes (fp32" in printed.out and "hardware profile:" in printed.out
+    assert "--quick leaves peak_flops as it was" in printed.out
+    assert (private_profile / "hardware").is_dir() and list((tmp_path / "out").glob("gemm-*-fp32.png"))
+    assert main([*argv[:2], "--dtype", "int8"]) == 2 and "--dtype = 'int8'" in capsys.readouterr().err
 
 
 def test_dips_are_measured_again():
