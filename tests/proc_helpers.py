@@ -1,7 +1,9 @@
-"""Helpers for tests of who owns what is left behind: the record of a process that has ended."""
+"""Helpers for tests of processes: the record of a process that has ended, a training stopped by SIGTERM, and a
+file-size limit (a full disk) around a call in the test process."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -38,3 +40,20 @@ def sigterm_after_two_steps(run, *zaya_args: str, preexec_fn=None) -> tuple[int,
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     return proc.returncode, out
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writes past ``limit`` bytes fail with EFBIG (as a full disk fails them with ENOSPC) while the block runs in
+    this process; SIGXFSZ ignored, as Python ignores it in every process it starts."""
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)

@@ -169,20 +169,12 @@ def test_an_allocation_the_machine_cannot_hold_is_named_not_a_bug(monkeypatch, c
 def test_an_export_to_a_full_disk_exits_5_naming_the_directory(tmp_path, run, capsys):
     """A file-size limit (as a full disk) made safetensors raise 'I/O error: File too large (os error 27)': exit 70
     with a traceback; now exit 5 naming the destination, and nothing left there. Through main in this process (a
-    `zaya export` subprocess cost 35 s of start-up on 2 busy cores), the limit set only around the call; SIGXFSZ is
-    ignored, as Python ignores it in every process it starts."""
-    import resource
-    import signal
+    `zaya export` subprocess cost 35 s of start-up on 2 busy cores), the limit set only around the call."""
+    from proc_helpers import file_size_limit
 
     out = tmp_path / "out"
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, hard))
-    try:
+    with file_size_limit(300_000):
         code = main(["export", "--checkpoint", str(run), "--to", str(out)])
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, handler)
     err = capsys.readouterr().err
     assert code == 5, err
     assert f"exporting to {out}" in err and "File too large" in err and "Traceback" not in err
