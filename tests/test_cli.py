@@ -1,6 +1,8 @@
 """The `zaya` command: error reporting, `info`, and an end-to-end `train` on a micro config."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,25 @@ def test_bad_argument_exits_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["convert", "--to", "onnx", "--src", "a", "--dst", "b"])
     assert exc.value.code == 2
+
+
+def test_commands_that_need_no_torch_start_without_importing_it():
+    """Building the parser for `zaya run` (the supervisor), `chaos inject` or `aegis report` imports no torch (it
+    took about 2 s of every command's start-up); the full parser, and `plan`'s and `tune cost`'s own, still
+    declare their options."""
+    code = ("import sys\n"
+            "from zaya.cli import build_parser\n"
+            "for argv in (['run', '--config', 'c.toml'], ['chaos', 'inject', 'r', 'kill'], ['aegis', 'report', 'r']):\n"
+            "    build_parser(argv).parse_args(argv)\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+    from zaya.cli import build_parser
+
+    plan = ["plan", "--config", "c.toml", "--gpus", "8", "--gpu-memory", "80", "--tflops", "989"]
+    for parser in (build_parser(), build_parser(plan)):
+        assert parser.parse_args(plan).gpus == 8
+    assert build_parser(["tune", "cost", "--config", "c"]).parse_args(["tune", "cost", "--config", "c"]).top == 5
 
 
 def test_info_zaya1_base_json(capsys):

@@ -412,7 +412,15 @@ def _cmd_data_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _runs(argv: Sequence[str] | None, *words: str) -> bool:
+    """Whether the command line ``argv`` (None: any) runs the command ``words`` (its first plain words)."""
+    return argv is None or [a for a in argv if not a.startswith("-")][:len(words)] == list(words)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """Every command and its options; given the command line ``argv``, the options of ``tune comm``, ``tune cost``
+    and ``plan`` only when it runs that command: declaring them imports torch (about 2 s), which `zaya run`'s
+    supervisor, `zaya chaos` or `zaya aegis report` never need."""
     parser = argparse.ArgumentParser(prog="zaya", description="Train and run ZAYA1-style Mixture-of-Experts models.")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
@@ -480,18 +488,20 @@ def build_parser() -> argparse.ArgumentParser:
                                     "message size and by how many ranks of the node take part, recommend the gradient "
                                     "bucket size and collective grouping for ddp, zero1 and fsdp, and write them "
                                     "into the hardware profile (the trainer uses them when present).")
-    from zaya.tune import comm as tune_comm
+    if _runs(argv, "tune", "comm"):
+        from zaya.tune import comm as tune_comm
 
-    tune_comm.add_arguments(p)
-    p.set_defaults(func=tune_comm.run)
+        tune_comm.add_arguments(p)
+        p.set_defaults(func=tune_comm.run)
     p = tune.add_parser("cost", help="predict a config's training step time, MFU and top time sinks on H100, H200, "
                                      "MI300X or this CPU (the cost model; docs/tuning.md)",
                         description="Trace one training step of the config's model on fake tensors (every kernel "
                                     "with its FLOPs and bytes) and price it on device profiles, eager and compiled.")
-    from zaya.tune import cost_command as tune_cost
+    if _runs(argv, "tune", "cost"):
+        from zaya.tune import cost_command as tune_cost
 
-    tune_cost.add_arguments(p)
-    p.set_defaults(func=tune_cost.run)
+        tune_cost.add_arguments(p)
+        p.set_defaults(func=tune_cost.run)
 
     p = verbs.add_parser("plan", help="memory per GPU, largest micro-batch, run time, checkpoint and data needs of a "
                                       "config on a cluster (docs/tuning.md)",
@@ -500,10 +510,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "context parallelism, the largest micro-batch that fits, tokens/s and time for "
                                      "the token budget, communication per step, checkpoint size and write time, "
                                      "data bandwidth.")
-    from zaya.tune import plan as tune_plan
+    if _runs(argv, "plan"):
+        from zaya.tune import plan as tune_plan
 
-    tune_plan.add_arguments(p)
-    p.set_defaults(func=tune_plan.run)
+        tune_plan.add_arguments(p)
+        p.set_defaults(func=tune_plan.run)
 
     p = verbs.add_parser("info", help="parameter counts and FLOPs of a config's model")
     p.add_argument("--config", required=True, metavar="PATH", help="TOML config, e.g. configs/zaya1-base.toml")
@@ -697,7 +708,8 @@ def _train_options(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     debug = bool(os.environ.get("ZAYA_DEBUG"))
     try:
         return args.func(args)
