@@ -398,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     if "skipped" not in r or "ok" in r:
         r.setdefault("ok", False)
         r.setdefault("error", None)
+    kernels = sys.modules.get("zaya.core.kernels")
+    if kernels is not None and kernels.failed:  # a Triton kernel fell back to torch here: its timings are torch's
+        r["kernels_switched_off"] = dict(kernels.failed)
     r["seconds"] = rnd(time.perf_counter() - started)
     import json
 
